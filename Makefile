@@ -1,0 +1,47 @@
+# maskplug — every target sets up what it needs.
+#   make demo   the main job: an end-to-end structured-output serving simulation
+#   make test   the whole test suite (core, plugins, engine adapters)
+#   make lint   ruff + mypy
+#   make bench  the benchmarks (results go to benchmarks/RESULTS.md by hand)
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip install -q -c constraints/cpu.txt --no-build-isolation
+STAMP  := $(VENV)/.maskplug-installed
+# Every plugin distribution in the tree, installed editable beside the core.
+PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml))
+PLUGIN_ARGS := $(foreach d,$(PLUGIN_DIRS),-e $(d))
+EXTRA_DEPS  := $(shell cat requirements/extras.txt 2>/dev/null | grep -v '^\#')
+
+.PHONY: venv demo test test-core test-engines lint bench clean
+
+$(STAMP): pyproject.toml constraints/cpu.txt $(wildcard requirements/*.txt) $(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PIP) -e '.[test,lint]' $(PLUGIN_ARGS) $(EXTRA_DEPS)
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/maskplug demo
+
+test: test-core test-engines
+
+test-core: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 tests
+
+test-engines:
+	@if [ -f adapters/Makefile ]; then $(MAKE) -C adapters test; else echo "no engine adapters yet"; fi
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

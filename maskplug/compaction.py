@@ -1,0 +1,131 @@
+"""Batch compaction after the verify budget trimmed drafts.
+
+``compact`` tells the engine, on the host, what it can know before the device
+allocation: the total token count always, and the per-request split and
+``cu_logits`` only in the exact regimes. ``active_cu_logits`` computes the
+authoritative offsets on the device from the capacities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .errors import BudgetError
+from .layout import ScheduledLayout
+
+__all__ = ["Compaction", "active_cu_logits", "compact", "regime_of"]
+
+Regime = Literal["full", "partial", "zero"]
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """The host view of a compacted batch.
+
+    Attributes:
+        regime: ``"full"`` (nothing trimmed), ``"zero"`` (bonus only) or
+            ``"partial"``.
+        num_tokens_per_req: tokens per request after trimming. In the partial
+            regime without ``capacity`` only the sum is right; the split is a
+            placeholder (drafts handed out front to back).
+        cu_logits: logits-row offsets per request (``n + 1`` entries). Exact
+            in the full and zero regimes; in the partial regime without
+            ``capacity`` it is the scheduled upper bound, and the device
+            offsets from :func:`active_cu_logits` are authoritative.
+        exact: whether ``num_tokens_per_req`` and ``cu_logits`` are exact.
+    """
+
+    regime: Regime
+    num_tokens_per_req: npt.NDArray[np.int64]
+    cu_logits: npt.NDArray[np.int64]
+    exact: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens after trimming (always exact)."""
+        return int(self.num_tokens_per_req.sum())
+
+
+def regime_of(layout: ScheduledLayout, budget: int) -> Regime:
+    """``"full"`` when nothing is trimmed, ``"zero"`` at budget 0 with drafts, else ``"partial"``.
+
+    A batch without drafts is ``"full"``: there is nothing to trim.
+    """
+    total = layout.total_drafts
+    if budget == total:
+        return "full"
+    if budget == 0:
+        return "zero"
+    return "partial"
+
+
+def _cu(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    cu = np.zeros(rows.shape[0] + 1, dtype=np.int64)
+    np.cumsum(rows, out=cu[1:])
+    return cu
+
+
+def compact(layout: ScheduledLayout, budget: int, capacity: Any = None) -> Compaction:
+    """Describe the batch after a verify budget of ``budget`` drafts.
+
+    Pass ``capacity`` (host per-request admitted drafts, e.g. from a CPU
+    allocation) to make every regime exact; it must be a per-request prefix
+    (``0 ≤ capacity ≤ num_drafts``) summing to ``budget``.
+    """
+    if not isinstance(layout, ScheduledLayout):
+        raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
+        raise BudgetError(f"budget: expected an int, got {budget!r}")
+    total = layout.total_drafts
+    if not 0 <= budget <= total:
+        raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {total}, got {budget}")
+    budget = int(budget)
+    regime = regime_of(layout, budget)
+    nb = layout.num_bonus
+    if capacity is not None:
+        if isinstance(capacity, torch.Tensor):
+            if capacity.device.type != "cpu":
+                raise BudgetError(f"capacity: expected a host array, got a tensor on {capacity.device}")
+            capacity = capacity.numpy()
+        cap = np.asarray(capacity)
+        if cap.shape != (layout.n,) or (cap.size and cap.dtype.kind not in "iu"):
+            raise BudgetError(f"capacity: expected {layout.n} integer counts, got {cap.dtype} {cap.shape}")
+        cap = cap.astype(np.int64)
+        if cap.size and (cap.min() < 0 or np.any(cap > layout.num_drafts)):
+            r = int(np.argmax((cap < 0) | (cap > layout.num_drafts)))
+            raise BudgetError(
+                f"capacity: expected 0 <= capacity[r] <= num_drafts[r], got capacity[{r}] = {int(cap[r])} "
+                f"with num_drafts[{r}] = {int(layout.num_drafts[r])}"
+            )
+        if int(cap.sum()) != budget:
+            raise BudgetError(f"capacity: expected a sum equal to budget {budget}, got {int(cap.sum())}")
+        return Compaction(regime, layout.num_non_draft + cap, _cu(cap + nb), True)
+    if regime == "full":
+        return Compaction(regime, layout.num_non_draft + layout.num_drafts, layout.cu_scheduled.copy(), True)
+    if regime == "zero":
+        return Compaction(regime, layout.num_non_draft.copy(), np.arange(layout.n + 1, dtype=np.int64) * nb, True)
+    # Partial: the split is decided on the device; hand drafts out front to back
+    # so that at least the total is right.
+    before = _cu(layout.num_drafts)[:-1]
+    placeholder = np.clip(budget - before, 0, layout.num_drafts)
+    return Compaction(regime, layout.num_non_draft + placeholder, layout.cu_scheduled.copy(), False)
+
+
+def active_cu_logits(capacity: torch.Tensor, num_bonus: int = 1) -> torch.Tensor:
+    """Authoritative logits-row offsets ``[0, cumsum(capacity + num_bonus)]`` on ``capacity``'s device.
+
+    int32, ``n + 1`` entries; no host sync.
+    """
+    if not isinstance(capacity, torch.Tensor) or capacity.ndim != 1 or capacity.is_floating_point():
+        got = f"{type(capacity).__name__} {getattr(capacity, 'dtype', '')} {getattr(capacity, 'shape', '')}"
+        raise BudgetError(f"capacity: expected a 1-D integer tensor, got {got}")
+    if isinstance(num_bonus, bool) or not isinstance(num_bonus, (int, np.integer)) or num_bonus < 0:
+        raise BudgetError(f"num_bonus: expected an int >= 0, got {num_bonus!r}")
+    out = torch.zeros(capacity.shape[0] + 1, dtype=torch.int32, device=capacity.device)
+    torch.cumsum(capacity.to(torch.int32) + int(num_bonus), dim=0, out=out[1:])
+    return out

@@ -1,0 +1,299 @@
+"""``apply_grammar_bitmask``: validate once, then hand off to a kernel backend.
+
+All argument checks happen here, before any backend runs, so a bad call never
+writes a single logit. Backends receive normalised arguments (see
+:class:`KernelBackend`) and only decide how to write.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import BackendUnavailable, LayoutError
+from .layout import RowMapping
+from .plugins import get_registry
+
+__all__ = ["KernelBackend", "apply_grammar_bitmask", "backend_status", "resolve_backend"]
+
+LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@runtime_checkable
+class KernelBackend(Protocol):
+    """What a kernel plugin registers through ``maskplug_register_kernels``.
+
+    ``apply`` receives validated, normalised arguments:
+
+    * ``logits``: 2-D fp32/fp16/bf16, column stride 1, any row stride;
+    * ``bitmask``: contiguous int32 ``(rows, words)`` on the logits device;
+    * ``request``, ``position``: contiguous int32 ``(rows,)`` on the logits
+      device (``request == -1`` marks an unused row);
+    * ``cu_logits``: contiguous int32 ``(n + 1,)`` on the logits device;
+    * ``vocab_size``: columns ``< vocab_size`` follow the bits
+      (``vocab_size <= 32 * words`` and ``<= logits width``);
+    * ``mask_tail``: set live rows' columns ``>= vocab_size`` to ``-inf``.
+
+    It must write ``-inf`` exactly at the disallowed columns of live rows, change
+    nothing else, apply duplicate rows as the AND of their masks, and never
+    synchronise with the host on a CUDA device.
+    """
+
+    name: str
+    priority: int
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """``None`` when the backend can run on ``device``, else why not."""
+        ...
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        bitmask: torch.Tensor,
+        request: torch.Tensor,
+        position: torch.Tensor,
+        cu_logits: torch.Tensor,
+        vocab_size: int,
+        mask_tail: bool,
+    ) -> None:
+        """Mask ``logits`` in place."""
+        ...
+
+
+def backend_status(device: torch.device | str | None = None) -> dict[str, str | None]:
+    """Every registered backend and why it cannot run on ``device`` (``None`` = available)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out: dict[str, str | None] = {}
+    for name, be in sorted(get_registry().kernels.items()):
+        try:
+            out[name] = be.unavailable_reason(dev)
+        except Exception as exc:  # a broken probe is a reason, not a crash
+            out[name] = f"availability check failed: {type(exc).__name__}: {exc}"
+    return out
+
+
+def resolve_backend(backend: str, device: torch.device) -> KernelBackend:
+    """The backend object for ``backend`` (a name or ``"auto"``) on ``device``."""
+    reg = get_registry().kernels
+    if not isinstance(backend, str):
+        raise BackendUnavailable(f"backend: expected a backend name or 'auto', got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("MASKPLUG_KERNEL_BACKEND", "").strip()
+        if env and env != "auto":
+            return resolve_backend(env, device)
+        reasons = []
+        for be in sorted(reg.values(), key=lambda b: (-b.priority, b.name)):
+            why = be.unavailable_reason(device)
+            if why is None:
+                return be  # type: ignore[no-any-return]
+            reasons.append(f"{be.name}: {why}")
+        raise BackendUnavailable(f"backend: no registered backend runs on {device} ({'; '.join(reasons)})")
+    be = reg.get(backend)
+    if be is None:
+        raise BackendUnavailable(f"backend: expected one of {sorted(reg)} or 'auto', got {backend!r}")
+    why = be.unavailable_reason(device)
+    if why is not None:
+        raise BackendUnavailable(f"backend: {backend!r} cannot run on {device}: {why}")
+    return be  # type: ignore[no-any-return]
+
+
+class _Staging(threading.local):
+    """Pinned host buffers reused across calls, so CUDA copies can be non-blocking.
+
+    A buffer is reused only once the copy that last read it has finished
+    (``Event.query()``, which never blocks); otherwise a fresh one is taken, so
+    the apply path never waits on the host.
+    """
+
+    def __init__(self) -> None:
+        self.slots: dict[str, list[tuple[torch.Tensor, Any]]] = {}
+
+    def to_device(self, key: str, arr: np.ndarray, device: torch.device) -> torch.Tensor:
+        n = arr.shape[0]
+        ring = self.slots.setdefault(key, [])
+        slot = None
+        for i, (buf, ev) in enumerate(ring):
+            if buf.shape[0] >= n and (ev is None or ev.query()):
+                slot = i
+                break
+        if slot is None:
+            buf = torch.empty(max(n, 256), dtype=torch.int32, pin_memory=True)
+            if len(ring) >= 4:
+                ring.pop(0)
+            ring.append((buf, None))
+            slot = len(ring) - 1
+        buf = ring[slot][0]
+        host = buf[:n]
+        host.numpy()[:] = arr
+        out = host.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        ring[slot] = (buf, event)
+        return out
+
+
+_staging = _Staging()
+
+
+def _int_vector(name: str, value: Any, device: torch.device) -> tuple[torch.Tensor, np.ndarray | None]:
+    """A 1-D int32 tensor on ``device`` plus its host copy when one exists (no sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 1:
+            raise LayoutError(f"{name}: expected a 1-D integer tensor, got shape {tuple(value.shape)}")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise LayoutError(f"{name}: expected an integer dtype, got {value.dtype}")
+        if value.device.type == "cpu":
+            host = value.detach().numpy().astype(np.int64, copy=False)
+            return _int_vector(name, host, device)
+        if value.device != device:
+            raise LayoutError(f"{name}: expected a host array or a tensor on {device}, got a tensor on {value.device}")
+        return value.to(torch.int32).contiguous(), None
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise LayoutError(f"{name}: expected a 1-D integer array, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise LayoutError(f"{name}: expected an integer dtype, got {arr.dtype}")
+    arr64 = arr.astype(np.int64, copy=False)
+    if arr64.size and (arr64.max() > np.iinfo(np.int32).max or arr64.min() < np.iinfo(np.int32).min):
+        raise LayoutError(f"{name}: values do not fit in int32 (max {arr64.max()})")
+    arr32 = np.ascontiguousarray(arr64, dtype=np.int32)
+    if device.type == "cuda":
+        return _staging.to_device(name, arr32, device), arr64
+    return torch.from_numpy(arr32), arr64
+
+
+def apply_grammar_bitmask(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    mapping: RowMapping | tuple[Any, Any],
+    cu_logits: Any,
+    *,
+    vocab_size: int | None = None,
+    tail: Literal["mask", "keep"] = "mask",
+    backend: str = "auto",
+) -> None:
+    """Apply grammar mask rows to compacted logits, in place.
+
+    Mask row ``i`` with ``(r, p) = (mapping.request[i], mapping.position[i])``
+    applies to logits row ``cu_logits[r] + p`` iff ``r >= 0`` and
+    ``p < cu_logits[r+1] - cu_logits[r]``; otherwise it is skipped (that draft
+    was trimmed). Disallowed tokens become ``-inf``; nothing else changes.
+
+    Args:
+        logits: ``(rows, width)`` fp32/fp16/bf16, column stride 1, any row stride.
+        bitmask: int32 ``(mask rows, words)`` on the logits device.
+        mapping: a :class:`RowMapping` or a ``(request, position)`` pair of
+            numpy arrays or tensors, one entry per bitmask row.
+        cu_logits: ``n + 1`` active offsets (numpy or a tensor; on CUDA a device
+            tensor from :func:`maskplug.active_cu_logits` is read on the device).
+        vocab_size: tokens the grammar knows; default ``min(width, 32 × words)``,
+            and a bitmask narrower than the logits needs it said explicitly.
+        tail: ``"mask"`` sets live rows' columns ``>= vocab_size`` to ``-inf``;
+            ``"keep"`` leaves them.
+        backend: a registered backend name or ``"auto"``.
+
+    Raises:
+        LayoutError: bad shapes, dtypes, devices or offsets (nothing written).
+        BackendUnavailable: the named backend cannot run here, with the reason.
+    """
+    # ---- logits and bitmask --------------------------------------------------
+    if not isinstance(logits, torch.Tensor):
+        raise LayoutError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
+    if logits.ndim != 2:
+        raise LayoutError(f"logits: expected 2-D (rows, vocab), got shape {tuple(logits.shape)}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise LayoutError(f"logits: expected float32, float16 or bfloat16, got {logits.dtype}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise LayoutError(f"logits: expected column stride 1 (rows may be strided), got strides {logits.stride()}")
+    device = logits.device
+    if not isinstance(bitmask, torch.Tensor):
+        raise LayoutError(f"bitmask: expected a torch.Tensor, got {type(bitmask).__name__}")
+    if bitmask.ndim != 2:
+        raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {tuple(bitmask.shape)}")
+    if bitmask.dtype != torch.int32:
+        raise LayoutError(f"bitmask: expected int32, got {bitmask.dtype}")
+    if bitmask.device != device:
+        raise LayoutError(f"bitmask: expected device {device} (the logits device), got {bitmask.device}")
+    rows, words = int(bitmask.shape[0]), int(bitmask.shape[1])
+    width = int(logits.shape[1])
+    if vocab_size is None:
+        if 32 * words < width:
+            raise LayoutError(
+                f"bitmask: expected at least ceil({width}/32) = {(width + 31) // 32} words to cover the logits "
+                f"width, got {words}; pass vocab_size if the columns past 32*words are padding"
+            )
+        vocab_size = width
+    else:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
+            raise LayoutError(f"vocab_size: expected an int, got {vocab_size!r}")
+        if not 0 < vocab_size <= width:
+            raise LayoutError(f"vocab_size: expected 0 < vocab_size <= logits width {width}, got {vocab_size}")
+        if vocab_size > 32 * words:
+            raise LayoutError(
+                f"vocab_size: expected <= 32 × bitmask words = {32 * words}, got {vocab_size} "
+                f"(the bitmask is narrower than the vocabulary)"
+            )
+    if tail not in ("mask", "keep"):
+        raise LayoutError(f"tail: expected 'mask' or 'keep', got {tail!r}")
+
+    # ---- mapping and offsets -------------------------------------------------
+    if isinstance(mapping, RowMapping):
+        req_in, pos_in = mapping.request, mapping.position
+    elif isinstance(mapping, tuple) and len(mapping) == 2:
+        req_in, pos_in = mapping
+    else:
+        raise LayoutError(f"mapping: expected a RowMapping or a (request, position) pair, got {type(mapping).__name__}")
+    request, req_host = _int_vector("mapping.request", req_in, device)
+    position, pos_host = _int_vector("mapping.position", pos_in, device)
+    if request.shape[0] != position.shape[0]:
+        raise LayoutError(
+            f"mapping: request and position must have equal length, got {request.shape[0]} and {position.shape[0]}"
+        )
+    if request.shape[0] != rows:
+        raise LayoutError(
+            f"mapping: expected {rows} entries (one per bitmask row), got {request.shape[0]}; "
+            "build the mapping from the scheduled layout, not from the compacted offsets"
+        )
+    cu, cu_host = _int_vector("cu_logits", cu_logits, device)
+    if cu.shape[0] < 1:
+        raise LayoutError("cu_logits: expected n + 1 >= 1 offsets, got an empty array")
+    n = int(cu.shape[0]) - 1
+    if cu_host is not None:
+        if cu_host[0] != 0:
+            raise LayoutError(f"cu_logits: expected to start at 0, got {int(cu_host[0])}")
+        d = np.diff(cu_host)
+        if d.size and d.min() < 0:
+            i = int(np.argmax(d < 0))
+            raise LayoutError(
+                f"cu_logits: expected non-decreasing offsets, got {int(cu_host[i])} then {int(cu_host[i + 1])} at {i}"
+            )
+        if int(cu_host[-1]) > logits.shape[0]:
+            raise LayoutError(
+                f"cu_logits: last offset {int(cu_host[-1])} exceeds the {logits.shape[0]} logits rows"
+            )
+    if req_host is not None and req_host.size:
+        if req_host.min() < -1 or req_host.max() >= n:
+            bad = int(req_host[(req_host < -1) | (req_host >= n)][0])
+            raise LayoutError(f"mapping.request: expected -1 or a request index in [0, {n}), got {bad}")
+    if pos_host is not None and pos_host.size:
+        used = pos_host if req_host is None else pos_host[req_host >= 0]
+        if used.size and used.min() < 0:
+            raise LayoutError(f"mapping.position: expected positions >= 0 for used rows, got {int(used.min())}")
+
+    be = resolve_backend(backend, device)
+    if rows == 0 or logits.shape[0] == 0 or width == 0:
+        return
+    be.apply(
+        logits,
+        bitmask.contiguous(),
+        request,
+        position,
+        cu,
+        int(vocab_size),
+        tail == "mask",
+    )
+

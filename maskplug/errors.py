@@ -1,0 +1,48 @@
+"""The exception hierarchy.
+
+Every error maskplug raises on bad input is a :class:`MaskplugError`. Messages
+name the argument, what was expected and what came, so a mismatch between two
+layouts shows both sides. Validation always runs before anything is written:
+on any error, logits and grammar matchers are left exactly as they were.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailable",
+    "BudgetError",
+    "GrammarError",
+    "LayoutError",
+    "MaskplugError",
+    "PluginError",
+]
+
+
+class MaskplugError(Exception):
+    """Base class of every error raised by maskplug."""
+
+
+class LayoutError(MaskplugError, ValueError):
+    """Bad shapes, dtypes, devices, request ids or offsets."""
+
+
+class BudgetError(MaskplugError, ValueError):
+    """A budget, capacity, confidence or cost curve that cannot be used."""
+
+
+class BackendUnavailable(MaskplugError, RuntimeError):
+    """A kernel backend that was asked for cannot run here; the message says why."""
+
+
+class GrammarError(MaskplugError, ValueError):
+    """A grammar that cannot be compiled, or a token or buffer a matcher refuses."""
+
+
+class PluginError(MaskplugError, RuntimeError):
+    """A plugin that failed to load or registered something invalid."""
+
+
+def expect(cond: bool, exc: type[MaskplugError], arg: str, expected: str, got: object) -> None:
+    """Raise ``exc`` naming ``arg`` unless ``cond`` holds."""
+    if not cond:
+        raise exc(f"{arg}: expected {expected}, got {got}")

@@ -1,0 +1,1 @@
+"""Built-in kernel backends (registered through the same hooks as outside ones)."""

@@ -1,0 +1,241 @@
+"""The scheduled layout, the producer layout and the row mapping.
+
+maskplug's rule: the mapping from mask rows to (request, position) is built from
+the **scheduled** layout only. Compaction never rewrites it; the active layout
+(``cu_logits``) only decides, at apply time, which mapped rows are live.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import LayoutError
+
+__all__ = ["GrammarRows", "RowMapping", "ScheduledLayout"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def _as_counts(name: str, values: Any, n: int | None = None) -> IntArray:
+    try:
+        arr = np.asarray(values)
+    except Exception as exc:  # pragma: no cover - exotic inputs
+        raise LayoutError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}") from exc
+    if hasattr(values, "device") and str(getattr(values, "device", "cpu")) != "cpu":
+        raise LayoutError(f"{name}: expected host (CPU) values, got a tensor on {values.device}")
+    if arr.ndim != 1:
+        raise LayoutError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "b" or not np.all(np.equal(np.mod(arr, 1), 0)):
+            raise LayoutError(f"{name}: expected integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if n is not None and arr.shape[0] != n:
+        raise LayoutError(f"{name}: expected {n} entries (one per request), got {arr.shape[0]}")
+    if arr.size and int(arr.min()) < 0:
+        bad = int(np.argmax(arr < 0))
+        raise LayoutError(f"{name}: expected non-negative counts, got {int(arr[bad])} at index {bad}")
+    return arr
+
+
+class ScheduledLayout:
+    """What the scheduler scheduled this step, in batch order.
+
+    Args:
+        req_ids: one unique id per request (ints or strings), in batch order.
+        num_drafts: drafts scheduled per request (0 for prefill chunks and
+            plain decodes).
+        num_non_draft: scheduled tokens per request that are not drafts (1 for
+            a decode, the chunk length for a prefill).
+        num_bonus: logits rows every request gets besides its drafts.
+    """
+
+    __slots__ = ("req_ids", "num_drafts", "num_non_draft", "num_bonus", "cu_scheduled", "_ids", "_order")
+
+    def __init__(
+        self,
+        req_ids: Sequence[Any] | npt.NDArray[Any],
+        num_drafts: Sequence[int] | npt.NDArray[Any],
+        num_non_draft: Sequence[int] | npt.NDArray[Any],
+        num_bonus: int = 1,
+    ) -> None:
+        ids = np.asarray(req_ids)
+        if ids.ndim != 1:
+            raise LayoutError(f"req_ids: expected a 1-D sequence, got shape {ids.shape}")
+        n = int(ids.shape[0])
+        self.num_drafts = _as_counts("num_drafts", num_drafts, n)
+        self.num_non_draft = _as_counts("num_non_draft", num_non_draft, n)
+        if isinstance(num_bonus, bool) or not isinstance(num_bonus, (int, np.integer)) or num_bonus < 0:
+            raise LayoutError(f"num_bonus: expected an int >= 0, got {num_bonus!r}")
+        self.num_bonus = int(num_bonus)
+        try:
+            order = np.argsort(ids, kind="stable")
+        except TypeError as exc:
+            raise LayoutError(f"req_ids: expected ids of one comparable type, got {ids.dtype}") from exc
+        sorted_ids = ids[order]
+        if n > 1:
+            dup = sorted_ids[1:] == sorted_ids[:-1]
+            if np.any(dup):
+                raise LayoutError(f"req_ids: expected unique ids, got {sorted_ids[1:][dup][0]!r} twice")
+        self.req_ids = ids
+        self._order = order
+        self._ids = sorted_ids
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(self.num_drafts + self.num_bonus, out=cu[1:])
+        self.cu_scheduled = cu
+
+    @property
+    def n(self) -> int:
+        """Number of requests in the batch."""
+        return int(self.req_ids.shape[0])
+
+    @property
+    def total_drafts(self) -> int:
+        """Drafts scheduled this step, ``Σ num_drafts``: the largest budget."""
+        return int(self.num_drafts.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """Scheduled tokens this step, drafts included."""
+        return int(self.num_drafts.sum() + self.num_non_draft.sum())
+
+    def index_of(self, req_id: Any) -> int:
+        """Batch index of one request id; :class:`LayoutError` if unknown."""
+        return int(self.indices_of([req_id])[0])
+
+    def indices_of(self, req_ids: Sequence[Any] | npt.NDArray[Any], arg: str = "req_ids") -> IntArray:
+        """Batch indices of many request ids at once (vectorised)."""
+        q = np.asarray(req_ids)
+        if q.ndim != 1:
+            raise LayoutError(f"{arg}: expected a 1-D sequence of request ids, got shape {q.shape}")
+        if q.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.n == 0:
+            raise LayoutError(f"{arg}: request id {q[0]!r} is not in the layout (the batch is empty)")
+        try:
+            pos = np.searchsorted(self._ids, q)
+        except TypeError as exc:
+            raise LayoutError(f"{arg}: ids of type {q.dtype} cannot be compared with req_ids ({self._ids.dtype})") from exc
+        pos = np.minimum(pos, self.n - 1)
+        found = self._ids[pos] == q
+        if not np.all(found):
+            bad = q[~np.asarray(found, dtype=bool)][0]
+            raise LayoutError(f"{arg}: request id {bad!r} is not in the layout")
+        return self._order[pos].astype(np.int64)
+
+    def __repr__(self) -> str:
+        return f"ScheduledLayout(n={self.n}, num_drafts={self.num_drafts.tolist()}, num_bonus={self.num_bonus})"
+
+
+@dataclass(frozen=True)
+class RowMapping:
+    """For each bitmask row ``i``: the batch request ``request[i]`` and its position ``position[i]``.
+
+    ``request == -1`` marks an unused row (fixed-stride padding); such a row is
+    never applied. ``len(mapping)`` always equals the number of bitmask rows.
+    """
+
+    request: npt.NDArray[np.int32]
+    position: npt.NDArray[np.int32]
+
+    def __post_init__(self) -> None:
+        for name in ("request", "position"):
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != np.int32:
+                got = f"{type(arr).__name__} {getattr(arr, 'dtype', '')} {getattr(arr, 'shape', '')}"
+                raise LayoutError(f"mapping.{name}: expected a 1-D int32 numpy array, got {got}")
+        if self.request.shape != self.position.shape:
+            raise LayoutError(
+                f"mapping: request and position must have equal length, got {self.request.shape[0]} "
+                f"and {self.position.shape[0]}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.request.shape[0])
+
+
+class GrammarRows:
+    """How the producer emitted mask rows.
+
+    Args:
+        grammar_req_ids: the grammar requests, in the order the producer
+            visited them (may differ from batch order; requests without a
+            grammar are simply absent).
+        mode: ``"ragged"`` — ``num_drafts[r] + num_bonus`` rows per grammar
+            request; ``"fixed"`` — ``stride`` rows per grammar request, the
+            rows past ``num_drafts[r] + num_bonus`` unused.
+        stride: rows per grammar request in fixed mode.
+    """
+
+    def __init__(
+        self,
+        grammar_req_ids: Sequence[Any] | npt.NDArray[Any],
+        mode: Literal["ragged", "fixed"] = "ragged",
+        stride: int | None = None,
+    ) -> None:
+        if mode not in ("ragged", "fixed"):
+            raise LayoutError(f"mode: expected 'ragged' or 'fixed', got {mode!r}")
+        if mode == "fixed":
+            if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
+                raise LayoutError(f"stride: expected an int >= 1 in fixed mode, got {stride!r}")
+        elif stride is not None:
+            raise LayoutError(f"stride: only meaningful in fixed mode, got {stride!r} with mode='ragged'")
+        ids = np.asarray(grammar_req_ids)
+        if ids.ndim != 1:
+            raise LayoutError(f"grammar_req_ids: expected a 1-D sequence, got shape {ids.shape}")
+        if ids.size > 1:
+            s = np.sort(ids)
+            dup = s[1:] == s[:-1]
+            if np.any(dup):
+                raise LayoutError(f"grammar_req_ids: expected unique ids, got {s[1:][dup][0]!r} twice")
+        self.grammar_req_ids = ids
+        self.mode = mode
+        self.stride = None if stride is None else int(stride)
+
+    def batch_indices(self, layout: ScheduledLayout) -> IntArray:
+        """Batch index of each grammar request, in grammar order."""
+        return layout.indices_of(self.grammar_req_ids, "grammar_req_ids")
+
+    def rows_per_request(self, layout: ScheduledLayout) -> IntArray:
+        """Rows the producer emits per grammar request, in grammar order."""
+        idx = self.batch_indices(layout)
+        need = layout.num_drafts[idx] + layout.num_bonus
+        if self.mode == "ragged":
+            return need
+        assert self.stride is not None
+        if need.size and int(need.max()) > self.stride:
+            g = int(np.argmax(need > self.stride))
+            raise LayoutError(
+                f"stride: expected >= num_drafts + num_bonus of every grammar request, got stride "
+                f"{self.stride} but request {self.grammar_req_ids[g]!r} needs {int(need[g])} rows"
+            )
+        return np.full(idx.shape[0], self.stride, dtype=np.int64)
+
+    def num_rows(self, layout: ScheduledLayout) -> int:
+        """Bitmask rows the producer emits for this layout."""
+        return int(self.rows_per_request(layout).sum())
+
+    def mapping(self, layout: ScheduledLayout) -> RowMapping:
+        """Row → (request, position), built from the scheduled layout only (vectorised)."""
+        idx = self.batch_indices(layout)
+        per = self.rows_per_request(layout)
+        total = int(per.sum())
+        starts = np.zeros(per.shape[0], dtype=np.int64)
+        if per.shape[0] > 1:
+            np.cumsum(per[:-1], out=starts[1:])
+        owner = np.repeat(np.arange(per.shape[0]), per)
+        position = np.arange(total, dtype=np.int64) - starts[owner]
+        request = idx[owner]
+        if self.mode == "fixed":
+            used = layout.num_drafts[request] + layout.num_bonus
+            unused = position >= used
+            request = np.where(unused, -1, request)
+            position = np.where(unused, -1, position)
+        return RowMapping(request.astype(np.int32), position.astype(np.int32))
+
+    def __repr__(self) -> str:
+        return f"GrammarRows({self.grammar_req_ids.tolist()!r}, mode={self.mode!r}, stride={self.stride})"

@@ -1,0 +1,210 @@
+"""The plugin manager and the registries it fills.
+
+Plugins are found only through the ``maskplug`` entry-point group (plus the
+built-ins, registered through the very same hooks). Environment switches:
+
+``MASKPLUG_LOAD_PLUGINS``
+    comma-separated allow-list of entry-point names; when set, nothing else
+    loads (the built-ins always do).
+``MASKPLUG_DISABLE_PLUGINS``
+    comma-separated entry-point names that must not load.
+``MASKPLUG_KERNEL_BACKEND``
+    the backend ``backend="auto"`` resolves to (see :mod:`maskplug.dispatch`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError
+
+__all__ = ["PluginInfo", "Registry", "get_registry", "reset_registry"]
+
+ENTRY_POINT_GROUP = "maskplug"
+BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend",)
+
+
+@dataclass
+class PluginInfo:
+    """What ``maskplug plugins`` shows about one plugin."""
+
+    name: str
+    distribution: str
+    version: str
+    hooks: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def _split_env(name: str) -> set[str] | None:
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    return {p.strip() for p in raw.split(",") if p.strip()}
+
+
+class Registry:
+    """Kernel backends, grammar providers and schedulers registered by plugins."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager("maskplug")
+        self.pm.add_hookspecs(hookspecs)
+        self.kernels: dict[str, Any] = {}
+        self.grammar_providers: dict[str, Callable[..., Any]] = {}
+        self.schedulers: dict[str, Callable[..., Any]] = {}
+        self.plugins: list[PluginInfo] = []
+        self._owner: dict[tuple[str, str], str] = {}
+
+    # -- registration callbacks ------------------------------------------------
+    def _claim(self, kind: str, name: str, plugin: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{plugin}: {kind} name: expected a non-empty str, got {name!r}")
+        prev = self._owner.get((kind, name))
+        if prev is not None:
+            raise PluginError(
+                f"{plugin}: {kind} {name!r} is already registered by {prev}; "
+                "disable one of them with MASKPLUG_DISABLE_PLUGINS"
+            )
+        self._owner[(kind, name)] = plugin
+
+    def _register_all(self, plugin_obj: object, info: PluginInfo) -> None:
+        """Call the registration hooks of one plugin; all-or-nothing."""
+        kernels: dict[str, Any] = {}
+        providers: dict[str, Callable[..., Any]] = {}
+        scheds: dict[str, Callable[..., Any]] = {}
+        claimed: list[tuple[str, str]] = []
+
+        def claim(kind: str, name: str) -> None:
+            self._claim(kind, name, info.name)
+            claimed.append((kind, name))
+
+        def reg_kernel(backend: Any) -> None:
+            name = getattr(backend, "name", None)
+            for attr in ("unavailable_reason", "apply"):
+                if not callable(getattr(backend, attr, None)):
+                    raise PluginError(
+                        f"{info.name}: kernel backend {name!r}: expected a callable "
+                        f"{attr!r}, got {type(backend).__name__} without it"
+                    )
+            if not isinstance(getattr(backend, "priority", None), int):
+                raise PluginError(f"{info.name}: kernel backend {name!r}: priority must be an int")
+            claim("kernel", name)  # type: ignore[arg-type]
+            kernels[name] = backend  # type: ignore[index]
+
+        def reg_provider(name: str, factory: Callable[..., Any]) -> None:
+            if not callable(factory):
+                raise PluginError(f"{info.name}: grammar provider {name!r}: factory is not callable")
+            claim("grammar provider", name)
+            providers[name] = factory
+
+        def reg_scheduler(name: str, factory: Callable[..., Any]) -> None:
+            if not callable(factory):
+                raise PluginError(f"{info.name}: scheduler {name!r}: factory is not callable")
+            claim("scheduler", name)
+            scheds[name] = factory
+
+        hooks = {
+            "maskplug_register_kernels": reg_kernel,
+            "maskplug_register_grammar_providers": reg_provider,
+            "maskplug_register_schedulers": reg_scheduler,
+        }
+        try:
+            for hook_name, cb in hooks.items():
+                fn = getattr(plugin_obj, hook_name, None)
+                if fn is not None:
+                    fn(register=cb)
+        except Exception:
+            for key in claimed:
+                self._owner.pop(key, None)
+            raise
+        self.kernels.update(kernels)
+        self.grammar_providers.update(providers)
+        self.schedulers.update(scheds)
+
+    def add_plugin(self, plugin_obj: object, name: str, distribution: str = "", version: str = "") -> None:
+        """Register one plugin object (module or instance) and its contributions."""
+        info = PluginInfo(name=name, distribution=distribution, version=version)
+        try:
+            self.pm.register(plugin_obj, name=name)
+            info.hooks = sorted(h.name for h in self.pm.get_hookcallers(plugin_obj) or [])
+            self._register_all(plugin_obj, info)
+        except Exception as exc:  # reported, never silently swallowed
+            if self.pm.is_registered(plugin_obj):
+                self.pm.unregister(plugin_obj)
+            info.error = f"{type(exc).__name__}: {exc}"
+            self.plugins.append(info)
+            warnings.warn(
+                f"maskplug plugin {name!r} from {distribution or 'unknown distribution'} "
+                f"failed to register: {info.error}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.plugins.append(info)
+
+    def load(self) -> None:
+        """Load the built-ins, then every allowed entry point of the ``maskplug`` group."""
+        import importlib
+
+        from . import __version__
+
+        for modname in BUILTIN_PLUGINS:
+            self.add_plugin(importlib.import_module(modname), modname, "maskplug", __version__)
+
+        allow = _split_env("MASKPLUG_LOAD_PLUGINS")
+        deny = _split_env("MASKPLUG_DISABLE_PLUGINS") or set()
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if (allow is not None and ep.name not in allow) or ep.name in deny:
+                continue
+            dist = ep.dist.name if ep.dist is not None else "unknown"
+            ver = ep.dist.version if ep.dist is not None else ""
+            try:
+                obj = ep.load()
+            except Exception as exc:
+                info = PluginInfo(ep.name, dist, ver, error=f"{type(exc).__name__}: {exc}")
+                self.plugins.append(info)
+                warnings.warn(
+                    f"maskplug plugin {ep.name!r} from distribution {dist} failed to import: {info.error}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            self.add_plugin(obj, ep.name, dist, ver)
+
+    def step_end(self, stats: dict[str, Any]) -> None:
+        """Call every ``maskplug_step_end`` hook."""
+        self.pm.hook.maskplug_step_end(stats=stats)
+
+
+_registry: Registry | None = None
+_lock = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, loaded on first use."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                reg = Registry()
+                reg.load()
+                _registry = reg
+    return _registry
+
+
+def reset_registry() -> None:
+    """Forget the loaded plugins; the next :func:`get_registry` loads them again.
+
+    Useful after changing the environment switches (tests do).
+    """
+    global _registry
+    with _lock:
+        _registry = None
