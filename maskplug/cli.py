@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -18,7 +19,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import get_registry
 
     reg = get_registry()
-    rows = [
+    rows: list[dict[str, Any]] = [
         {
             "name": p.name,
             "distribution": p.distribution,
@@ -52,10 +53,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
+    import torch
+
     from .dispatch import backend_status, resolve_backend
     from .errors import MaskplugError
-
-    import torch
 
     devices = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     out: dict[str, dict[str, object]] = {}

@@ -64,15 +64,15 @@ def apply_grammar_bitmask(
         req, pos = mapping.request, mapping.position
     else:
         req, pos = mapping
-    req = [int(v) for v in torch.as_tensor(np.asarray(req) if not isinstance(req, torch.Tensor) else req).tolist()]
-    pos = [int(v) for v in torch.as_tensor(np.asarray(pos) if not isinstance(pos, torch.Tensor) else pos).tolist()]
+    reqs = [int(v) for v in np.asarray(req.cpu() if isinstance(req, torch.Tensor) else req).tolist()]
+    poss = [int(v) for v in np.asarray(pos.cpu() if isinstance(pos, torch.Tensor) else pos).tolist()]
     cu = [int(v) for v in (cu_logits.tolist() if hasattr(cu_logits, "tolist") else list(cu_logits))]
     width = logits.shape[1]
     words = bitmask.shape[1]
     vs = min(width, 32 * words) if vocab_size is None else vocab_size
     bm = bitmask.cpu().numpy()
     out = logits.detach().cpu().clone()
-    for i, (r, p) in enumerate(zip(req, pos)):
+    for i, (r, p) in enumerate(zip(reqs, poss, strict=True)):
         if r < 0 or p >= cu[r + 1] - cu[r]:
             continue
         row = cu[r] + p
