@@ -37,7 +37,7 @@ def mapping(rows: GrammarRows, layout: ScheduledLayout) -> RowMapping:
     req: list[int] = []
     pos: list[int] = []
     for rid in rows.grammar_req_ids.tolist():
-        r = [i for i, x in enumerate(layout.req_ids.tolist()) if x == rid][0]
+        r = next(i for i, x in enumerate(layout.req_ids.tolist()) if x == rid)
         need = int(layout.num_drafts[r]) + layout.num_bonus
         total = need if rows.mode == "ragged" else int(rows.stride or 0)
         for p in range(total):
