@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt $(wildcard requirements/*.txt) $(wi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PIP) -e '.[test,lint]' $(PLUGIN_ARGS) $(EXTRA_DEPS)
+	test ! -s requirements/nodeps.txt || $(PIP) --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

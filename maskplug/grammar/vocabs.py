@@ -1,0 +1,500 @@
+"""Vocabulary loaders: tokenizer.json, tiktoken ranks, SentencePiece models.
+
+Every loader turns a tokenizer's files into a :class:`~maskplug.grammar.Vocab`:
+the exact bytes each token id decodes to, the stop tokens, the control tokens
+and the model's logits width. Nothing is downloaded; the files are read from
+disk. The helpers :func:`mistral_tekken` and :func:`mistral_sentencepiece`
+load the real tokenizers shipped inside the ``mistral-common`` wheel, found
+through its import spec without importing the package (which would pull in
+its many dependencies).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ..errors import GrammarError
+from .base import Vocab
+
+__all__ = [
+    "MISTRAL_SPECIAL_TOKENS",
+    "bytes_to_unicode",
+    "load_sentencepiece",
+    "load_tekken_json",
+    "load_tiktoken",
+    "load_tokenizer_json",
+    "mistral_data_dir",
+    "mistral_sentencepiece",
+    "mistral_tekken",
+    "mistral_tekken_encoding",
+]
+
+PathLike = str | os.PathLike[str]
+
+# The control tokens Mistral's tekken files of this vintage leave implicit
+# (the file carries only the count, 1,000); later ids are numbered fillers.
+MISTRAL_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
+)
+
+# Names of end-of-sequence tokens in common tokenizer.json files, tried in order
+# when the caller does not say which tokens stop generation.
+_EOS_NAMES = ("</s>", "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<eos>", "<|end|>")
+
+_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """The byte → printable character table of byte-level BPE (GPT-2 style).
+
+    Printable Latin-1 bytes map to themselves; the other 68 bytes map, in
+    byte order, to code points from 256 upwards.
+    """
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _read_json(path: PathLike, arg: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError as exc:
+        raise GrammarError(f"{arg}: expected an existing JSON file, got {os.fspath(path)!r} (not found)") from exc
+    except (OSError, ValueError) as exc:
+        raise GrammarError(f"{arg}: could not read {os.fspath(path)!r} as JSON: {exc}") from exc
+
+
+def _finish(
+    tokens: list[bytes | None],
+    special: set[int],
+    eos_ids: Sequence[int],
+    vocab_size: int | None,
+) -> Vocab:
+    # Holes in the id space (ids no entry names) become empty control tokens:
+    # they can never be produced as text, so no grammar may allow them.
+    full: list[bytes] = []
+    for i, t in enumerate(tokens):
+        if t is None:
+            special.add(i)
+            full.append(b"")
+        else:
+            full.append(t)
+    return Vocab(full, eos_ids, special, vocab_size)
+
+
+# --------------------------------------------------------------------------
+# tokenizer.json (Hugging Face tokenizers)
+# --------------------------------------------------------------------------
+
+
+def _decoder_kinds(decoder: Any) -> list[dict[str, Any]]:
+    if not isinstance(decoder, dict):
+        return []
+    if decoder.get("type") == "Sequence":
+        out: list[dict[str, Any]] = []
+        for d in decoder.get("decoders", []):
+            out.extend(_decoder_kinds(d))
+        return out
+    return [decoder]
+
+
+def _token_decoder(data: Mapping[str, Any]) -> Any:
+    """A function str → bytes decoding one vocabulary entry the way the model's decoder would."""
+    decs = _decoder_kinds(data.get("decoder"))
+    types = {d.get("type") for d in decs}
+    pre = data.get("pre_tokenizer") or {}
+    pre_types = {d.get("type") for d in _decoder_kinds(pre)} | {
+        d.get("type") for d in (pre.get("pretokenizers") or []) if isinstance(d, dict)
+    }
+    model = data.get("model") or {}
+    if "ByteLevel" in types or ("ByteLevel" in pre_types and not types):
+        table = _unicode_to_byte()
+
+        def byte_level(piece: str) -> bytes:
+            try:
+                return bytes(table[c] for c in piece)
+            except KeyError:
+                # Not a byte-level string (e.g. an added token): its text is literal.
+                return piece.encode("utf-8")
+
+        return byte_level
+    replace_from, replace_to = "▁", " "
+    metaspace = False
+    for d in decs:
+        if d.get("type") == "Metaspace":
+            metaspace = True
+            replace_from = d.get("replacement", "▁")
+        elif d.get("type") == "Replace":
+            pat = d.get("pattern", {})
+            src = pat.get("String") if isinstance(pat, dict) else None
+            if isinstance(src, str):
+                metaspace = True
+                replace_from, replace_to = src, d.get("content", " ")
+    byte_fallback = "ByteFallback" in types or bool(model.get("byte_fallback"))
+
+    def plain(piece: str) -> bytes:
+        if byte_fallback:
+            m = _BYTE_PIECE.match(piece)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        if metaspace:
+            piece = piece.replace(replace_from, replace_to)
+        return piece.encode("utf-8")
+
+    return plain
+
+
+def load_tokenizer_json(
+    path: PathLike,
+    *,
+    eos_tokens: Sequence[str] | None = None,
+    vocab_size: int | None = None,
+) -> Vocab:
+    """Load a Hugging Face ``tokenizer.json`` file.
+
+    Handles byte-level BPE (every character of a token string stands for one
+    byte) and metaspace vocabularies with byte fallback (``▁`` is a space,
+    ``<0x0A>`` is the byte 0x0A). Added tokens marked special are control
+    tokens; the others are literal text.
+
+    Args:
+        path: the ``tokenizer.json`` file.
+        eos_tokens: the stop tokens by their text; default: the first of the
+            usual end-of-sequence names present among the special tokens.
+        vocab_size: the model's logits width (default: the number of ids).
+    """
+    data = _read_json(path, "path")
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise GrammarError(f"path: expected a tokenizer.json with a 'model' object, got {os.fspath(path)!r}")
+    model = data["model"]
+    mtype = model.get("type")
+    raw = model.get("vocab")
+    entries: list[tuple[str, int]]
+    if isinstance(raw, dict) and mtype in (None, "BPE", "WordLevel"):
+        entries = [(str(k), int(v)) for k, v in raw.items()]
+    elif isinstance(raw, list) and mtype == "Unigram":
+        entries = [(str(item[0]), i) for i, item in enumerate(raw)]
+    else:
+        raise GrammarError(
+            f"path: expected a BPE, WordLevel or Unigram model in {os.fspath(path)!r}, got model type {mtype!r}"
+        )
+    added = [a for a in data.get("added_tokens") or [] if isinstance(a, dict)]
+    size = max([i for _, i in entries] + [int(a["id"]) for a in added] + [-1]) + 1
+    decode = _token_decoder(data)
+    tokens: list[bytes | None] = [None] * size
+    for piece, i in entries:
+        tokens[i] = decode(piece)
+    special: set[int] = set()
+    by_text: dict[str, int] = {}
+    for a in added:
+        i, text = int(a["id"]), str(a["content"])
+        tokens[i] = text.encode("utf-8")
+        by_text[text] = i
+        if a.get("special", False):
+            special.add(i)
+    if eos_tokens is None:
+        found = [by_text[n] for n in _EOS_NAMES if n in by_text and by_text[n] in special]
+        if not found:
+            raise GrammarError(
+                f"eos_tokens: no usual end-of-sequence token among the special tokens of {os.fspath(path)!r}; "
+                f"expected one of {list(_EOS_NAMES)}, got none (pass eos_tokens=...)"
+            )
+        eos_ids = found[:1]
+    else:
+        missing = [t for t in eos_tokens if t not in by_text]
+        if missing:
+            raise GrammarError(f"eos_tokens: expected added tokens of {os.fspath(path)!r}, got unknown {missing}")
+        eos_ids = [by_text[t] for t in eos_tokens]
+    return _finish(tokens, special, eos_ids, vocab_size)
+
+
+# --------------------------------------------------------------------------
+# tiktoken ranks (tekken)
+# --------------------------------------------------------------------------
+
+
+def _ranks_to_list(ranks: Any) -> list[bytes]:
+    """Token bytes ordered by rank, from a {bytes: rank} mapping or tekken vocab entries."""
+    if isinstance(ranks, Mapping):
+        items = sorted((int(r), bytes(b)) for b, r in ranks.items())
+        out = [b for _, b in items]
+        ranks_seen = [r for r, _ in items]
+    elif isinstance(ranks, Iterable):
+        entries = list(ranks)
+        try:
+            items = sorted((int(e["rank"]), base64.b64decode(e["token_bytes"])) for e in entries)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GrammarError(
+                "ranks: expected a {bytes: rank} mapping or entries with 'rank' and base64 'token_bytes', "
+                f"got an entry that is neither ({exc})"
+            ) from exc
+        out = [b for _, b in items]
+        ranks_seen = [r for r, _ in items]
+    else:
+        raise GrammarError(f"ranks: expected a mapping or a list of entries, got {type(ranks).__name__}")
+    if ranks_seen != list(range(len(ranks_seen))):
+        bad = next(i for i, r in enumerate(ranks_seen) if r != i)
+        raise GrammarError(
+            f"ranks: expected ranks 0..{len(ranks_seen) - 1} without gaps, got {ranks_seen[bad]} at {bad}"
+        )
+    return out
+
+
+def load_tiktoken(
+    ranks: Any,
+    special_tokens: Any = (),
+    *,
+    num_special_tokens: int | None = None,
+    vocab_size: int | None = None,
+    eos_ids: Sequence[int] | None = None,
+) -> Vocab:
+    """Build a vocabulary from tiktoken-format ranks with the special tokens in front.
+
+    This is the layout of Mistral's tekken files: ids ``0 .. S-1`` are the
+    control tokens, id ``S + rank`` is the ordinary token of that rank.
+
+    Args:
+        ranks: ``{token_bytes: rank}`` (tiktoken's mergeable ranks) or a list
+            of entries ``{"rank": r, "token_bytes": base64}`` (a tekken file's
+            ``vocab``).
+        special_tokens: the control tokens' texts (or entries with
+            ``token_str``), in id order.
+        num_special_tokens: ``S``, the ids reserved in front (default:
+            ``len(special_tokens)``); unnamed ones become ``<SPECIAL_i>``.
+        vocab_size: the model's vocabulary size including the special ids;
+            ranks beyond it are cut (tekken ships more ranks than it uses),
+            a larger value pads the logits width.
+        eos_ids: the stop tokens (default: the id of ``</s>``).
+    """
+    names = [str(s["token_str"]) if isinstance(s, Mapping) else str(s) for s in special_tokens]
+    nspec = len(names) if num_special_tokens is None else int(num_special_tokens)
+    if nspec < len(names):
+        raise GrammarError(f"num_special_tokens: expected >= len(special_tokens) = {len(names)}, got {nspec}")
+    names += [f"<SPECIAL_{i}>" for i in range(len(names), nspec)]
+    inner = _ranks_to_list(ranks)
+    if vocab_size is not None and vocab_size < nspec:
+        raise GrammarError(f"vocab_size: expected >= num_special_tokens = {nspec}, got {vocab_size}")
+    if vocab_size is not None:
+        inner = inner[: vocab_size - nspec]
+    tokens: list[bytes | None] = [n.encode("utf-8") for n in names]
+    tokens.extend(inner)
+    if eos_ids is None:
+        if "</s>" not in names:
+            raise GrammarError("eos_ids: no '</s>' among the special tokens; expected eos_ids=..., got none")
+        eos = [names.index("</s>")]
+    else:
+        eos = [int(e) for e in eos_ids]
+    return _finish(tokens, set(range(nspec)), eos, vocab_size)
+
+
+def load_tekken_json(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
+    """Load a Mistral tekken JSON file (``config`` + ``vocab`` [+ ``special_tokens``])."""
+    data = _read_json(path, "path")
+    try:
+        cfg = data["config"]
+        entries = data["vocab"]
+        nspec = int(cfg["default_num_special_tokens"])
+        default_size = int(cfg["default_vocab_size"])
+    except (KeyError, TypeError) as exc:
+        raise GrammarError(
+            f"path: expected a tekken file with config and vocab, got {os.fspath(path)!r}: {exc}"
+        ) from exc
+    specials = data.get("special_tokens") or list(MISTRAL_SPECIAL_TOKENS)
+    return load_tiktoken(
+        entries,
+        specials,
+        num_special_tokens=nspec,
+        vocab_size=default_size if vocab_size is None else vocab_size,
+    )
+
+
+# --------------------------------------------------------------------------
+# SentencePiece models
+# --------------------------------------------------------------------------
+
+# SentencePiece piece types (sentencepiece_model.proto).
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise GrammarError("path: truncated SentencePiece model (varint runs past the end)")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def _fields(buf: bytes) -> Iterable[tuple[int, int, Any]]:
+    """(field number, wire type, value) of one protobuf message, in order."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        num, wire = key >> 3, key & 7
+        val: Any
+        if wire == 0:
+            val, pos = _varint(buf, pos)
+        elif wire == 1:
+            val, pos = buf[pos : pos + 8], pos + 8
+        elif wire == 2:
+            n, pos = _varint(buf, pos)
+            val, pos = buf[pos : pos + n], pos + n
+        elif wire == 5:
+            val, pos = buf[pos : pos + 4], pos + 4
+        else:
+            raise GrammarError(f"path: unsupported protobuf wire type {wire} in SentencePiece model")
+        yield num, wire, val
+
+
+def _sentencepiece_pieces(data: bytes) -> list[tuple[str, int]]:
+    pieces: list[tuple[str, int]] = []
+    for num, wire, val in _fields(data):
+        if num != 1 or wire != 2:
+            continue
+        piece, ptype = "", _SP_NORMAL
+        for pnum, pwire, pval in _fields(val):
+            if pnum == 1 and pwire == 2:
+                piece = pval.decode("utf-8")
+            elif pnum == 3 and pwire == 0:
+                ptype = int(pval)
+            # field 2 (the score) is irrelevant to decoding
+        pieces.append((piece, ptype))
+    return pieces
+
+
+def load_sentencepiece(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
+    """Load a SentencePiece ``.model`` file (read directly, no sentencepiece import).
+
+    ``▁`` becomes a space, byte pieces like ``<0x0A>`` become that byte,
+    unknown/control/unused pieces are control tokens, ``</s>`` stops.
+    Note SentencePiece encoders prefix the text with ``▁``, so the first
+    token of an encoded text carries a leading space.
+    """
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise GrammarError(f"path: expected a readable SentencePiece model, got {os.fspath(path)!r}: {exc}") from exc
+    pieces = _sentencepiece_pieces(data)
+    if not pieces:
+        raise GrammarError(f"path: expected a SentencePiece model with pieces, got none in {os.fspath(path)!r}")
+    tokens: list[bytes | None] = []
+    special: set[int] = set()
+    eos: list[int] = []
+    for i, (piece, ptype) in enumerate(pieces):
+        if ptype == _SP_BYTE:
+            m = _BYTE_PIECE.match(piece)
+            if not m:
+                raise GrammarError(f"path: byte piece {i} is {piece!r}, expected the form <0xHH>")
+            tokens.append(bytes([int(m.group(1), 16)]))
+        elif ptype in (_SP_NORMAL, _SP_USER_DEFINED):
+            tokens.append(piece.replace("▁", " ").encode("utf-8"))
+        else:
+            tokens.append(piece.encode("utf-8"))
+            special.add(i)
+            if piece == "</s>":
+                eos.append(i)
+    if not eos:
+        raise GrammarError(f"path: expected a '</s>' control piece in {os.fspath(path)!r}, got none")
+    return _finish(tokens, special, eos, vocab_size)
+
+
+# --------------------------------------------------------------------------
+# The tokenizers in the mistral-common wheel
+# --------------------------------------------------------------------------
+
+
+def mistral_data_dir() -> Path:
+    """The ``data`` folder of the installed ``mistral-common`` wheel (the package is not imported)."""
+    spec = importlib.util.find_spec("mistral_common")
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locs:
+        d = Path(loc) / "data"
+        if d.is_dir():
+            return d
+    raise GrammarError(
+        "mistral-common: expected the mistral-common wheel for its tokenizer files, got none installed; "
+        "install it with `pip install --no-deps mistral-common`"
+    )
+
+
+def _data_file(name: str) -> Path:
+    p = mistral_data_dir() / name
+    if not p.is_file():
+        raise GrammarError(f"mistral-common: expected {name} in {p.parent}, got no such file (a different version?)")
+    return p
+
+
+@lru_cache(maxsize=2)
+def mistral_tekken(name: str = "tekken_240911.json") -> Vocab:
+    """The 131,072-token byte-level BPE of mistral-common (1,000 control ids in front, stop id 2)."""
+    return load_tekken_json(_data_file(name))
+
+
+@lru_cache(maxsize=2)
+def mistral_sentencepiece(name: str = "tokenizer.model.v1") -> Vocab:
+    """The 32,000-token SentencePiece model of mistral-common (unk/bos/eos = 0/1/2)."""
+    return load_sentencepiece(_data_file(name))
+
+
+@lru_cache(maxsize=2)
+def mistral_tekken_encoding(name: str = "tekken_240911.json") -> Any:
+    """A ``tiktoken.Encoding`` for the tekken file (needs ``tiktoken``), ids as in :func:`mistral_tekken`.
+
+    tiktoken numbers tokens by rank; add ``num_special`` (returned as the
+    encoding's attribute ``maskplug_offset``) to get model ids.
+    """
+    try:
+        import tiktoken
+    except ImportError as exc:
+        raise GrammarError("tiktoken: expected the tiktoken package to encode with tekken, got none installed") from exc
+    data = _read_json(_data_file(name), "name")
+    cfg = data["config"]
+    nspec = int(cfg["default_num_special_tokens"])
+    inner = int(cfg["default_vocab_size"]) - nspec
+    ranks = {base64.b64decode(e["token_bytes"]): int(e["rank"]) for e in data["vocab"][:inner]}
+    enc = tiktoken.Encoding(name=f"maskplug-{name}", pat_str=cfg["pattern"], mergeable_ranks=ranks, special_tokens={})
+    enc.maskplug_offset = nspec  # type: ignore[attr-defined]
+    return enc
