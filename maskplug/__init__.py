@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 from .budget import BudgetDecision, CostModel, allocate, choose_budget
 from .compaction import Compaction, active_cu_logits, compact
+from .confidence import ConfidenceHistory
 from .dispatch import KernelBackend, apply_grammar_bitmask, backend_status, resolve_backend
 from .draftmasks import DraftMasks
 from .errors import (
@@ -23,13 +24,17 @@ from .errors import (
 from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
+from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
 from . import reference  # noqa: E402  (the oracle is part of the API)
+# The schedulers module is callable: maskplug.schedulers() lists the registered names.
+from . import schedulers
 
 __all__ = [
     "BackendUnavailable",
     "BudgetDecision",
     "BudgetError",
     "Compaction",
+    "ConfidenceHistory",
     "CostModel",
     "DraftMasks",
     "GrammarError",
@@ -40,15 +45,21 @@ __all__ = [
     "PluginError",
     "RowMapping",
     "ScheduledLayout",
+    "Scheduler",
+    "StepOutcome",
+    "StepView",
     "__version__",
     "active_cu_logits",
     "allocate",
+    "allocate_step",
     "apply_grammar_bitmask",
     "backend_status",
     "choose_budget",
     "compact",
     "get_registry",
+    "get_scheduler",
     "hookimpl",
     "reset_registry",
     "resolve_backend",
+    "schedulers",
 ]

@@ -46,6 +46,18 @@ def maskplug_register_schedulers(register: Callable[[str, Any], None]) -> None:
 
     Call ``register(name, factory)``; ``factory(**config)`` returns an object
     with ``budget(step) -> BudgetDecision`` and ``observe(outcome) -> None``.
+
+    Protocol (see :mod:`maskplug.schedulers`): before each step the engine
+    calls ``budget(step)`` with a read-only :class:`maskplug.StepView` (the
+    scheduled layout, the cost model, the drafter's confidences as the host
+    last saw them, usually two steps old, the grammar's ``DraftMasks`` when
+    there are grammar requests, ``max_logits`` and ``num_sampling``); the
+    budget must lie in ``[0, step.cap]``. After verification it calls
+    ``observe(outcome)`` with a :class:`maskplug.StepOutcome`: drafts verified
+    and accepted per request id. An optional ``beliefs(step)`` returning
+    per-position acceptance estimates lets ``grammar-aware`` rescore the
+    scheduler's budget with the grammar. Users pick a scheduler by name with
+    :func:`maskplug.get_scheduler` (``MASKPLUG_SCHEDULER`` is the default).
     """
 
 
