@@ -1,0 +1,228 @@
+"""The xgrammar grammar provider for maskplug.
+
+Registered under the name ``"xgrammar"`` through the ``maskplug`` entry-point
+group. Everything is built offline from a :class:`maskplug.Vocab`.
+
+How xgrammar's behaviour is normalised to maskplug's matcher contract:
+
+* the vocabulary is handed over as ``VocabType.RAW`` with every control token
+  (stop tokens included) as empty bytes: xgrammar only recognises special
+  tokens of a raw vocabulary that way, and would otherwise treat their literal
+  text (``"</s>"``) as grammar text;
+* stop tokens never reach xgrammar's matcher: :class:`maskplug.grammar.MatcherBase`
+  accepts one exactly when the text is complete and tracks termination itself,
+  so ``rollback`` counts it as one token like every other provider;
+* fills go into a checked CPU int32 tensor exactly ``ceil(vocab_size/32)``
+  words wide (xgrammar ignores strides and trusts the width);
+* ids outside ``[0, vocab_size)`` raise :class:`maskplug.GrammarError` before
+  xgrammar sees them;
+* many rows are filled on xgrammar's C++ thread pool (``BatchGrammarMatcher``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+import maskplug
+from maskplug import GrammarError
+from maskplug.grammar import GrammarSpec, MatcherBase, ProviderBase, Vocab
+
+__all__ = ["XGrammarBatchOps", "XGrammarCompiled", "XGrammarMatcher", "XGrammarProvider"]
+
+KINDS = frozenset({"json_schema", "json_object", "regex", "ebnf", "lark", "choice"})
+
+
+def _choice_ebnf(source: Any) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    if isinstance(source, (str, bytes)) or not isinstance(source, Sequence):
+        raise GrammarError(f"spec.source: expected a list of strings for kind 'choice', got {type(source).__name__}")
+    items = list(source)
+    if not items or not all(isinstance(s, str) for s in items):
+        raise GrammarError(f"spec.source: expected a non-empty list of strings for kind 'choice', got {items!r}")
+    # JSON string literals are valid EBNF string literals for xgrammar; keeping
+    # non-ASCII characters raw avoids surrogate-pair escapes.
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in items)
+
+
+def _schema_text(source: Any) -> str:
+    if isinstance(source, dict):
+        return json.dumps(source)
+    if isinstance(source, (str, bytes)):
+        try:
+            json.loads(source)
+        except ValueError as exc:
+            raise GrammarError(f"spec.source: expected a JSON schema, got text that is not JSON ({exc})") from exc
+        return source if isinstance(source, str) else source.decode("utf-8")
+    raise GrammarError(f"spec.source: expected a JSON schema as dict or str, got {type(source).__name__}")
+
+
+class XGrammarCompiled:
+    """A grammar compiled by xgrammar for one vocabulary."""
+
+    def __init__(self, provider: XGrammarProvider, spec: GrammarSpec, compiled: Any) -> None:
+        self.provider = provider
+        self.spec = spec
+        self.raw = compiled
+
+    def matcher(self) -> XGrammarMatcher:
+        """A fresh matcher at the start of the grammar."""
+        raw = xgr.GrammarMatcher(self.raw, terminate_without_stop_token=False, max_rollback_tokens=-1)
+        return XGrammarMatcher(self.provider, raw)
+
+
+class XGrammarMatcher(MatcherBase):
+    """One request's state, with maskplug's normalised semantics (see the module docstring)."""
+
+    # xgrammar's fill and accept run in C++ without the GIL.
+    releases_gil = True
+
+    def __init__(self, provider: XGrammarProvider, raw: Any) -> None:
+        super().__init__(provider.vocab)
+        self.provider = provider
+        self.raw = raw
+        self.batch_ops = provider.batch_ops
+
+    def _accept(self, token: int) -> bool:
+        return bool(self.raw.accept_token(token))
+
+    def _rollback(self, n: int) -> None:
+        self.raw.rollback(n)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.raw.fill_next_token_bitmask(bitmask, row)
+
+    def _is_complete(self) -> bool:
+        return bool(self.raw.is_completed())
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self.raw.reset()
+        self._terminated = False
+
+    def fork(self) -> XGrammarMatcher:
+        """An independent copy in the same state."""
+        twin = XGrammarMatcher(self.provider, self.raw.fork())
+        twin._terminated = self._terminated
+        return twin
+
+
+class XGrammarBatchOps:
+    """Batch fill/accept/rollback over xgrammar matchers (see :class:`maskplug.grammar.BatchOps`)."""
+
+    def __init__(self, vocab: Vocab, max_threads: int) -> None:
+        self.vocab = vocab
+        self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._eos = frozenset(vocab.eos_ids)
+        self._special = vocab.special_ids
+        self._n_tokens = len(vocab.tokens)
+
+    def fill(self, matchers: Sequence[MatcherBase], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``; terminated matchers get their stop-only row."""
+        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(live) != len(matchers):
+            for i, m in enumerate(matchers):
+                if m.is_terminated():
+                    m.fill(bitmask, rows[i])
+        if live:
+            handles = [matchers[i].raw for i in live]  # type: ignore[attr-defined]
+            self.batch.batch_fill_next_token_bitmask(handles, bitmask, [int(rows[i]) for i in live])
+
+    def accept(self, matchers: Sequence[MatcherBase], tokens: Sequence[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for all ``i``; plain text tokens go through xgrammar's batch call."""
+        out = [False] * len(matchers)
+        plain: list[int] = []
+        for i, (m, t) in enumerate(zip(matchers, tokens, strict=True)):
+            t = int(t)
+            if m.is_terminated() or t in self._special or t >= self._n_tokens or t < 0:
+                # Stop tokens, control tokens, padding and bad ids take the checked path.
+                out[i] = m.accept(t)
+            else:
+                plain.append(i)
+        if plain:
+            res = xgr.BatchGrammarMatcher.batch_accept_token(
+                [matchers[i].raw for i in plain],  # type: ignore[attr-defined]
+                [int(tokens[i]) for i in plain],
+            )
+            for i, ok in zip(plain, res, strict=True):
+                out[i] = bool(ok)
+        return out
+
+    def rollback(self, matchers: Sequence[MatcherBase], counts: Sequence[int]) -> None:
+        """``matchers[i].rollback(counts[i])`` for all ``i``."""
+        raw: list[Any] = []
+        ks: list[int] = []
+        for m, k in zip(matchers, counts, strict=True):
+            k = int(k)
+            if k <= 0:
+                continue
+            if m.is_terminated():
+                # The stop token was never given to xgrammar: undo it here.
+                m._terminated = False
+                k -= 1
+            if k:
+                raw.append(m.raw)  # type: ignore[attr-defined]
+                ks.append(k)
+        if raw:
+            xgr.BatchGrammarMatcher.batch_rollback(raw, ks)
+
+
+class XGrammarProvider(ProviderBase):
+    """xgrammar bound to one vocabulary; compiles every spec kind of :data:`maskplug.grammar.SPEC_KINDS`."""
+
+    name = "xgrammar"
+    kinds = KINDS
+
+    def __init__(self, vocab: Vocab, max_threads: int | None = None) -> None:
+        super().__init__(vocab)
+        # Control tokens as empty bytes: the only way xgrammar recognises them in a raw vocabulary.
+        encoded = [b"" if i in vocab.special_ids else t for i, t in enumerate(vocab.tokens)]
+        self.tokenizer_info = xgr.TokenizerInfo(
+            encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids)
+        )
+        threads = max_threads if max_threads is not None else min(8, os.cpu_count() or 1)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads)
+        self.batch_ops = XGrammarBatchOps(vocab, threads)
+
+    def _compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        compile_fn: Callable[[], Any]
+        kind, src = spec.kind, spec.source
+        if kind == "json_schema":
+            text = _schema_text(src)
+            compile_fn = lambda: self.compiler.compile_json_schema(text)  # noqa: E731
+        elif kind == "json_object":
+            compile_fn = self.compiler.compile_builtin_json_grammar
+        elif kind == "choice":
+            ebnf = _choice_ebnf(src)
+            compile_fn = lambda: self.compiler.compile_grammar(ebnf)  # noqa: E731
+        else:
+            if not isinstance(src, str):
+                raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
+            method = {
+                "regex": self.compiler.compile_regex,
+                "ebnf": self.compiler.compile_grammar,
+                "lark": self.compiler.compile_lark,
+            }[kind]
+            compile_fn = lambda: method(src)  # noqa: E731
+        try:
+            raw = compile_fn()
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar reports every grammar error as RuntimeError/ValueError
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            # Drop xgrammar's "[hh:mm:ss] /path/file.cc:123:" prefix; keep the reason.
+            reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", lines[-1]) if lines else type(exc).__name__
+            raise GrammarError(f"spec.source: xgrammar could not compile this {kind} spec: {reason}") from exc
+        return XGrammarCompiled(self, spec, raw)
+
+
+@maskplug.hookimpl
+def maskplug_register_grammar_providers(register: Callable[[str, Any], None]) -> None:
+    """Register the ``"xgrammar"`` provider."""
+    register("xgrammar", XGrammarProvider)
