@@ -207,7 +207,8 @@ def apply_grammar_bitmask(
         raise LayoutError(f"logits: expected 2-D (rows, vocab), got shape {tuple(logits.shape)}")
     if logits.dtype not in LOGITS_DTYPES:
         raise LayoutError(f"logits: expected float32, float16 or bfloat16, got {logits.dtype}")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
+    # An empty tensor may report any strides; only a non-empty one must be row-major.
+    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
         raise LayoutError(f"logits: expected column stride 1 (rows may be strided), got strides {logits.stride()}")
     device = logits.device
     if not isinstance(bitmask, torch.Tensor):

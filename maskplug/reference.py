@@ -76,12 +76,13 @@ def apply_grammar_bitmask(
         if r < 0 or p >= cu[r + 1] - cu[r]:
             continue
         row = cu[r] + p
-        for t in range(width):
-            if t < vs:
-                if not token_allowed(bm[i], t):
-                    out[row, t] = float("-inf")
-            elif tail == "mask":
-                out[row, t] = float("-inf")
+        mask_row = bm[i].tolist()
+        # Collect the row's disallowed columns token by token, then write them
+        # in one assignment (one tensor write per token made the oracle too
+        # slow for thousands of property-test examples).
+        drop = [t for t in range(width) if (t >= vs and tail == "mask") or (t < vs and not token_allowed(mask_row, t))]
+        if drop:
+            out[row, drop] = float("-inf")
     logits.copy_(out.to(logits.device))
 
 
