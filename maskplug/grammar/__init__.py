@@ -25,6 +25,7 @@ from .base import (
     grammar_provider,
     grammar_providers,
 )
+from .draft import commit, fill_draft_masks
 from .vocabs import mistral_sentencepiece, mistral_tekken
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
     "Vocab",
     "check_bitmask",
     "check_token",
+    "commit",
+    "fill_draft_masks",
     "grammar_provider",
     "grammar_providers",
     "mistral_sentencepiece",

@@ -1,0 +1,353 @@
+"""Producing the mask rows of a speculative step, and committing after verification.
+
+:func:`fill_draft_masks` walks every grammar request's drafts once, writing row
+``p`` = the grammar's mask after accepting drafts ``0..p-1``, then rolls the
+matchers back to where they started. Matchers that offer batch operations
+(:class:`~maskplug.grammar.BatchOps`) are advanced position by position, all
+requests of one provider in one call per position; the others run one request
+at a time, on a thread pool when their engine releases the GIL.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..draftmasks import DraftMasks
+from ..errors import GrammarError, LayoutError
+from ..layout import GrammarRows, ScheduledLayout
+from .base import Matcher, check_bitmask
+
+__all__ = ["commit", "fill_draft_masks"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
+    """Drafts as a (grammar requests × max drafts) int64 matrix padded with -1, and their counts.
+
+    ``drafts`` is either one sequence per grammar request (rows order) or one
+    flat 1-D array of every scheduled draft in batch order.
+    """
+    nd = layout.num_drafts[idx]
+    width = int(nd.max()) if nd.size else 0
+    out = np.full((idx.shape[0], width), -1, dtype=np.int64)
+    if isinstance(drafts, torch.Tensor):
+        drafts = drafts.detach().cpu().numpy()
+    flat = isinstance(drafts, np.ndarray) and drafts.ndim == 1
+    if not flat and isinstance(drafts, Sequence) and not isinstance(drafts, (str, bytes)):
+        # A list of ints is the flat form; an empty list is flat only when nothing was drafted.
+        flat = (len(drafts) > 0 and isinstance(drafts[0], (int, np.integer))) or (
+            len(drafts) == 0 and layout.total_drafts == 0
+        )
+    if flat:
+        arr = np.asarray(drafts)
+        if arr.dtype.kind not in "iu":
+            raise LayoutError(f"drafts: expected integer token ids, got dtype {arr.dtype}")
+        total = layout.total_drafts
+        if arr.shape[0] != total:
+            raise LayoutError(
+                f"drafts: a flat array must hold every scheduled draft in batch order, "
+                f"expected {total} (sum of num_drafts), got {arr.shape[0]}"
+            )
+        starts = np.zeros(layout.n + 1, dtype=np.int64)
+        np.cumsum(layout.num_drafts, out=starts[1:])
+        if width:
+            cols = np.arange(width)
+            valid = cols[None, :] < nd[:, None]
+            src = starts[idx][:, None] + cols[None, :]
+            out[valid] = arr[src[valid]]
+        return out, nd
+    if not isinstance(drafts, Sequence) or isinstance(drafts, (str, bytes)):
+        raise LayoutError(f"drafts: expected one token sequence per grammar request, got {type(drafts).__name__}")
+    if len(drafts) != idx.shape[0]:
+        raise LayoutError(f"drafts: expected {idx.shape[0]} sequences (one per grammar request), got {len(drafts)}")
+    for g, d in enumerate(drafts):
+        a = np.asarray(d.detach().cpu().numpy() if isinstance(d, torch.Tensor) else d)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise LayoutError(f"drafts[{g}]: expected a 1-D sequence of token ids, got shape {a.shape} {a.dtype}")
+        if a.shape[0] != nd[g]:
+            raise LayoutError(
+                f"drafts[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
+                f"{layout.req_ids[idx[g]]!r}, got {a.shape[0]}"
+            )
+        out[g, : a.shape[0]] = a
+    return out, nd
+
+
+def _gate(active_from: Any, g: int) -> IntArray:
+    if active_from is None:
+        return np.zeros(g, dtype=np.int64)
+    a = np.asarray(active_from)
+    if a.ndim != 1 or a.shape[0] != g or (a.size and a.dtype.kind not in "iu"):
+        raise LayoutError(f"active_from: expected {g} integer positions (one per grammar request), got {a.shape}")
+    if a.size and int(a.min()) < 0:
+        raise LayoutError(f"active_from: expected positions >= 0, got {int(a.min())}")
+    return a.astype(np.int64)
+
+
+def _forced_rows(bitmask: torch.Tensor, rows: IntArray) -> npt.NDArray[np.bool_]:
+    """Whether each listed bitmask row allows exactly one token (vectorised)."""
+    if rows.size == 0:
+        return np.zeros(0, dtype=bool)
+    words = bitmask.numpy()[rows].view(np.uint32)
+    nz = np.count_nonzero(words, axis=1)
+    one = nz == 1
+    if np.any(one):
+        v = words[one].max(axis=1)
+        single = np.zeros_like(one)
+        single[one] = (v & (v - np.uint32(1))) == 0
+        return single
+    return one
+
+
+class _Walk:
+    """The shared state of one fill: which requests still advance and what they accepted."""
+
+    def __init__(self, g: int, nd: IntArray) -> None:
+        self.alive = np.ones(g, dtype=bool)
+        self.accepted = np.zeros(g, dtype=np.int64)
+        self.acceptable = nd.copy()
+        self.filled = np.zeros((g, 0), dtype=bool)
+
+
+def _walk_batched(
+    ops: Any,
+    members: IntArray,
+    matchers: Sequence[Matcher],
+    d: IntArray,
+    nd: IntArray,
+    need: IntArray,
+    gate: IntArray,
+    row0: IntArray,
+    eos: Sequence[frozenset[int]],
+    bitmask: torch.Tensor,
+    w: _Walk,
+) -> None:
+    """Position-major walk: one batch fill and one batch accept per position for all members."""
+    horizon = int(need[members].max()) if members.size else 0
+    for p in range(horizon):
+        live = members[w.alive[members]]
+        fill = live[(p < need[live]) & (p >= gate[live])]
+        if fill.size:
+            ops.fill([matchers[g] for g in fill], bitmask, (row0[fill] + p).tolist())
+            w.filled[fill, p] = True
+        adv = live[(p < nd[live]) & (p >= gate[live])]
+        if adv.size == 0:
+            continue
+        toks = d[adv, p]
+        ok = np.asarray(ops.accept([matchers[g] for g in adv], toks.tolist()), dtype=bool)
+        took = adv[ok]
+        w.accepted[took] += 1
+        refused = adv[~ok]
+        w.alive[refused] = False
+        w.acceptable[refused] = p
+        stopped = np.array([int(t) in eos[g] for g, t in zip(took.tolist(), d[took, p].tolist(), strict=True)], bool)
+        if stopped.size and np.any(stopped):
+            s = took[stopped]
+            w.alive[s] = False
+            w.acceptable[s] = p + 1
+
+
+def _walk_one(
+    g: int,
+    m: Matcher,
+    d: IntArray,
+    nd: int,
+    need: int,
+    gate: int,
+    row0: int,
+    eos: frozenset[int],
+    bitmask: torch.Tensor,
+    w: _Walk,
+) -> None:
+    """Request-major walk of one request (each thread touches only its own entries)."""
+    for p in range(need):
+        if p >= gate:
+            m.fill(bitmask, row0 + p)
+            w.filled[g, p] = True
+        if p >= nd or p < gate:
+            continue
+        t = int(d[p])
+        if not m.accept(t):
+            w.acceptable[g] = p
+            return
+        w.accepted[g] += 1
+        if t in eos:
+            w.acceptable[g] = p + 1
+            return
+
+
+def _eos_of(m: Matcher) -> frozenset[int]:
+    vocab = getattr(m, "vocab", None)
+    return frozenset(vocab.eos_ids) if vocab is not None else frozenset()
+
+
+def fill_draft_masks(
+    matchers: Sequence[Matcher],
+    drafts: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    layout: ScheduledLayout,
+    *,
+    threads: int | None = None,
+    active_from: Any = None,
+) -> DraftMasks:
+    """Fill every grammar request's mask rows for this step's scheduled drafts.
+
+    For grammar request ``g`` (in ``rows`` order) with ``k = num_drafts[r]``
+    drafts, row ``p`` (``0 <= p <= k - 1 + num_bonus``) is the grammar's mask
+    after accepting drafts ``0..p-1``; the rows follow ``rows``' producer
+    layout (ragged or fixed stride; unused fixed rows are all-allowed). At the
+    first draft the grammar refuses, advancing stops: that draft's row is
+    still constrained (the verifier samples a replacement from it) and every
+    later row is all-allowed. After an accepted stop token, later rows are
+    all-allowed too. The matchers end exactly where they started.
+
+    Args:
+        matchers: one matcher per grammar request, in ``rows`` order.
+        drafts: one token sequence per grammar request (rows order, length
+            ``num_drafts[r]`` each), or one flat 1-D array of all scheduled
+            drafts in batch order (length ``Σ num_drafts``).
+        bitmask: CPU int32 tensor, at least ``rows.num_rows(layout)`` rows of
+            ``ceil(vocab_size/32)`` words.
+        rows: the producer layout (grammar requests and their order).
+        layout: this step's scheduled layout.
+        threads: thread pool size for matchers without batch operations
+            (default: the CPU count, at most 8; ``0`` or ``1``: no pool).
+        active_from: optional reasoning gate, one position per grammar
+            request: the grammar is not active before it (those rows are
+            all-allowed and those drafts are not fed to the matcher, they
+            are not grammar text) and active from it (row ``active_from`` is
+            the matcher's current mask). A value past the window leaves every
+            row all-allowed.
+
+    Returns:
+        :class:`DraftMasks` with the batch index, the drafts the grammar
+        accepts (a prefix length; gated drafts count as accepted) and which
+        rows allow exactly one token.
+    """
+    if not isinstance(rows, GrammarRows):
+        raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
+    if not isinstance(layout, ScheduledLayout):
+        raise LayoutError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
+    idx = rows.batch_indices(layout)
+    per = rows.rows_per_request(layout)
+    g_count = int(idx.shape[0])
+    ms = list(matchers)
+    if len(ms) != g_count:
+        raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
+    d, nd = _drafts_matrix(drafts, layout, idx)
+    need = nd + layout.num_bonus
+    gate = _gate(active_from, g_count)
+    total = int(per.sum())
+    row0 = np.zeros(g_count, dtype=np.int64)
+    if g_count > 1:
+        np.cumsum(per[:-1], out=row0[1:])
+
+    # Validate everything before touching the bitmask or a matcher.
+    vocabs = [getattr(m, "vocab", None) for m in ms]
+    if total:
+        v0 = next((v for v in vocabs if v is not None), None)
+        if v0 is not None:
+            check_bitmask(bitmask, total - 1, v0)
+        elif not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.shape[0] < total:
+            raise GrammarError(
+                f"bitmask: expected a 2-D tensor with at least {total} rows, got {type(bitmask).__name__}"
+            )
+        for g, v in enumerate(vocabs):
+            if v is not None and v0 is not None and v.mask_words != v0.mask_words:
+                raise GrammarError(
+                    f"matchers[{g}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
+                    f"got {v.mask_words}"
+                )
+            if v is not None and nd[g]:
+                row = d[g, : nd[g]]
+                bad = (row < 0) | (row >= v.vocab_size)
+                if np.any(bad):
+                    p = int(np.argmax(bad))
+                    raise GrammarError(
+                        f"drafts[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(row[p])}"
+                    )
+
+    walk = _Walk(g_count, nd)
+    walk.filled = np.zeros((g_count, int(need.max()) if g_count else 0), dtype=bool)
+    eos = [_eos_of(m) for m in ms]
+    if total:
+        bitmask[:total].fill_(-1)
+
+    # Group requests by their provider's batch operations.
+    groups: dict[int, tuple[Any, list[int]]] = {}
+    single: list[int] = []
+    for g, m in enumerate(ms):
+        ops = getattr(m, "batch_ops", None)
+        if ops is None:
+            single.append(g)
+        else:
+            groups.setdefault(id(ops), (ops, []))[1].append(g)
+
+    try:
+        for ops, members in groups.values():
+            _walk_batched(ops, np.asarray(members, dtype=np.int64), ms, d, nd, need, gate, row0, eos, bitmask, walk)
+        if single:
+            n_threads = min(8, os.cpu_count() or 1) if threads is None else int(threads)
+            pooled = n_threads > 1 and len(single) > 1 and all(getattr(ms[g], "releases_gil", False) for g in single)
+
+            def one(g: int) -> None:
+                _walk_one(g, ms[g], d[g], int(nd[g]), int(need[g]), int(gate[g]), int(row0[g]), eos[g], bitmask, walk)
+
+            if pooled:
+                with ThreadPoolExecutor(max_workers=min(n_threads, len(single))) as pool:
+                    list(pool.map(one, single))
+            else:
+                for g in single:
+                    one(g)
+    finally:
+        # Restore every matcher, whatever happened above.
+        for ops, members in groups.values():
+            back = [g for g in members if walk.accepted[g]]
+            if back:
+                ops.rollback([ms[g] for g in back], walk.accepted[back].tolist())
+        for g in single:
+            if walk.accepted[g]:
+                ms[g].rollback(int(walk.accepted[g]))
+
+    width = walk.filled.shape[1]
+    forced = np.zeros((g_count, width), dtype=bool)
+    gi, pi = np.nonzero(walk.filled)
+    if gi.size:
+        forced[gi, pi] = _forced_rows(bitmask, row0[gi] + pi)
+    return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
+
+
+def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
+    """Advance ``matcher`` by the tokens the step emitted; return how many it took.
+
+    ``tokens`` are the accepted drafts followed by the bonus (or recovered)
+    token. Advancing stops at termination (a stop token) and at the first
+    token the grammar refuses (which a correctly masked step never emits);
+    the tokens after that point are not taken.
+    """
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().tolist()
+    toks = np.asarray(tokens)
+    if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got shape {toks.shape} {toks.dtype}")
+    vocab = getattr(matcher, "vocab", None)
+    if vocab is not None and toks.size:
+        bad = (toks < 0) | (toks >= vocab.vocab_size)
+        if np.any(bad):
+            p = int(np.argmax(bad))
+            raise GrammarError(f"tokens[{p}]: expected a token id in [0, {vocab.vocab_size}), got {int(toks[p])}")
+    taken = 0
+    for t in toks.tolist():
+        if matcher.is_terminated() or not matcher.accept(int(t)):
+            break
+        taken += 1
+    return taken
