@@ -1,0 +1,193 @@
+"""The Triton kernel that applies grammar mask rows to compacted logits.
+
+Semantics (maskplug DESIGN §4.4): mask row ``i`` with
+``(r, p) = (request[i], position[i])`` writes logits row ``cu_logits[r] + p``
+iff ``r >= 0``, ``p >= 0`` and ``p < cu_logits[r+1] - cu_logits[r]``. Columns
+``< vocab_size`` whose bit is 0 become ``-inf``; columns in
+``[vocab_size, limit)`` become ``-inf`` too (``limit`` is the logits width with
+``tail="mask"``, ``vocab_size`` with ``tail="keep"``). Nothing else is written.
+
+Design choices, each for bandwidth or for correctness:
+
+* **Store-only.** The kernel never reads a logit. It writes the bit pattern of
+  ``-inf`` where a column is disallowed and leaves every other column alone, so
+  the traffic is the bitmask plus the stores and nothing more. This is also what
+  makes duplicate mask rows (several rows mapped to one logits row) correct
+  without any coordination: each program only ever stores ``-inf``, so any
+  interleaving of two programs yields the AND of their masks. A read-modify-write
+  of whole vectors could put back a value another program had just masked.
+* **Bit patterns, not floats.** Logits are passed as an integer view of the same
+  width (int32 for fp32, int16 for fp16/bf16), so one compiled kernel serves two
+  dtypes and bf16 runs in the interpreter too. ``NINF`` is the dtype's ``-inf``
+  pattern.
+* **Decisions per tile of 32 words (1,024 columns).** A tile fully inside the
+  vocabulary is classified from its 32 words alone (a 32-lane reduction, far
+  cheaper than one over 1,024 elements): all ones → no store at all; all zeros →
+  one unmasked store of the tile, which Triton emits as 16-byte vector stores;
+  otherwise a store predicated on the zero bits. Tiles that reach the vocabulary
+  tail take the general element-wise path.
+* **Launch shape.** One program per (mask row, chunk of ``TILES`` tiles),
+  flattened into one grid axis (axis 0 allows 2^31 - 1 programs; axes 1 and 2
+  only 65,535, fewer than a big batch × chunks). A single decode row of 131,072
+  columns becomes 128 one-tile programs, enough to occupy every SM; thousands of
+  rows get up to 16 tiles per program so the per-program row lookup (four
+  dependent scalar loads) is amortised. The live-row test runs on the device, so
+  trimmed rows cost one early exit and the host never waits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "launch", "launch_shape"]
+
+BLOCK_W = 32  # mask words per tile: 1,024 columns
+MAX_TILES = 16  # tiles per program for large batches
+_PROGRAMS_PER_SM = 8  # enough resident programs to hide the row-lookup latency
+
+# Bit pattern of -inf per element width, as the signed integer of that width.
+_NINF_BITS = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: -128}  # 0xFF800000, 0xFC00, 0xFF80
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@triton.jit
+def _mask_kernel(
+    logits_ptr,  # integer view of the logits
+    row_stride,  # elements between logits rows
+    bitmask_ptr,  # int32 (rows, words)
+    words,
+    request_ptr,  # int32 (rows,)
+    position_ptr,  # int32 (rows,)
+    cu_ptr,  # int32 (n + 1,)
+    vocab_size,
+    limit,  # last column (exclusive) that may be written
+    chunks_per_row,
+    NINF: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    TILES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i = pid // chunks_per_row
+    chunk = pid % chunks_per_row
+    r = tl.load(request_ptr + i)
+    p = tl.load(position_ptr + i)
+    rs = tl.maximum(r, 0)  # a -1 row must not read cu[-1]
+    c0 = tl.load(cu_ptr + rs)
+    c1 = tl.load(cu_ptr + rs + 1)
+    live = (r >= 0) & (p >= 0) & (p < c1 - c0)
+    if live:
+        row = (c0 + p).to(tl.int64)
+        out = logits_ptr + row * row_stride
+        bm = bitmask_ptr + i.to(tl.int64) * words
+        widx = tl.arange(0, BLOCK_W)
+        bit = tl.arange(0, 32)
+        ninf = tl.full([BLOCK_W, 32], NINF, out.dtype.element_ty)
+        for t in tl.static_range(TILES):
+            w0 = (chunk * TILES + t) * BLOCK_W
+            wi = w0 + widx
+            wv = tl.load(bm + wi, mask=wi < words, other=0)
+            cols = wi[:, None] * 32 + bit[None, :]
+            if (w0 + BLOCK_W) * 32 <= vocab_size:
+                # Whole tile inside the vocabulary: decide from the words.
+                any_set = tl.max((wv != 0).to(tl.int32), axis=0)
+                any_clear = tl.max((wv != -1).to(tl.int32), axis=0)
+                if any_set == 0:
+                    tl.store(out + cols, ninf)
+                elif any_clear != 0:
+                    drop = ((wv[:, None] >> bit[None, :]) & 1) == 0
+                    tl.store(out + cols, ninf, mask=drop)
+            elif w0 * 32 < limit:
+                allowed = (((wv[:, None] >> bit[None, :]) & 1) != 0) & (cols < vocab_size)
+                drop = (cols < limit) & (allowed == 0)
+                tl.store(out + cols, ninf, mask=drop)
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a small machine, so small test shapes still use several tiles
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_shape(rows: int, limit: int, num_sms: int) -> tuple[int, int, int]:
+    """``(tiles per program, chunks per row, programs)`` for ``rows`` mask rows.
+
+    Start from the widest chunk and halve it while the grid would leave SMs
+    idle, so one decode row spreads over the whole card and a large batch keeps
+    programs long enough to amortise their row lookup.
+    """
+    tiles_per_row = max(1, -(-limit // (32 * BLOCK_W)))
+    target = _PROGRAMS_PER_SM * num_sms
+    tiles = MAX_TILES
+    while tiles > 1 and rows * -(-tiles_per_row // tiles) < target:
+        tiles //= 2
+    tiles = min(tiles, 1 << (tiles_per_row - 1).bit_length())  # never more tiles than a row has
+    chunks = -(-tiles_per_row // tiles)
+    return tiles, chunks, rows * chunks
+
+
+def launch(
+    logits: torch.Tensor,
+    bitmask: torch.Tensor,
+    request: torch.Tensor,
+    position: torch.Tensor,
+    cu_logits: torch.Tensor,
+    vocab_size: int,
+    mask_tail: bool,
+) -> None:
+    """Launch the kernel on normalised arguments (see ``maskplug.KernelBackend``).
+
+    Everything read here is host metadata (shapes, strides, SM count), so the
+    launch never synchronises and can be captured in a CUDA graph.
+    """
+    rows = int(bitmask.shape[0])
+    width = int(logits.shape[1])
+    limit = width if mask_tail else int(vocab_size)
+    if rows == 0 or logits.shape[0] == 0 or limit == 0:
+        return
+    tiles, chunks, programs = launch_shape(rows, limit, _sm_count(logits.device))
+    xi = logits.view(_INT_VIEW[logits.dtype])
+    # A 1-row tensor may report any row stride; it is never multiplied by a row > 0.
+    row_stride = int(logits.stride(0)) if logits.shape[0] > 1 else width
+    _mask_kernel[(programs,)](
+        xi,
+        row_stride,
+        bitmask,
+        int(bitmask.shape[1]),
+        request,
+        position,
+        cu_logits,
+        int(vocab_size),
+        limit,
+        chunks,
+        NINF=_NINF_BITS[logits.dtype],
+        BLOCK_W=BLOCK_W,
+        TILES=tiles,
+        num_warps=4,
+    )
+
+
+def _is_interpreted() -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - every supported Triton has it
+        return False
+    return isinstance(_mask_kernel, InterpretedFunction)
+
+
+INTERPRETED: bool = _is_interpreted()
+"""Whether ``TRITON_INTERPRET=1`` was set when this module was imported."""
+
+
+def kernel_fn() -> Any:
+    """The ``@triton.jit`` function itself (for ahead-of-time compilation)."""
+    return _mask_kernel
