@@ -1,0 +1,338 @@
+"""The llguidance provider: Earley-parsed grammars of every spec kind.
+
+llguidance parses with a lexer plus an Earley parser and computes token masks
+over a token trie. The tokenizer is built offline from the
+:class:`~maskplug.grammar.Vocab`'s bytes; its encoder (which llguidance uses to
+tokenise forced text canonically) is llguidance's own greedy longest-match
+tokenisation over the same vocabulary, the only encoder a bare byte table
+determines.
+
+What this module normalises, so callers see maskplug's matcher semantics:
+
+* **No sticky error states.** ``LLMatcher`` never raises on a bad token: it
+  enters an error state it never leaves. Here a token is only handed to the
+  engine when the current mask allows it, so ``accept`` returns False with the
+  state untouched instead; if the engine still refused a token, the matcher
+  is rebuilt from the accepted tokens rather than left broken.
+* **accept agrees with the mask.** llguidance keeps forced text to its
+  canonical tokenisation in the mask (after ``{"name":"`` of a ``const``
+  only the canonical first token of the constant is allowed) while its
+  ``consume_token`` would take other spellings. ``accept`` checks the mask,
+  so both say the same.
+* **Stop tokens and rollback.** Accepting EOS in llguidance does not count
+  towards its ``rollback``; the stop token never reaches the engine here
+  (:class:`maskplug.grammar.base.MatcherBase` tracks it), so a stop token
+  counts as one step like every other token.
+* **Special and padding ids.** The engine sees a vocabulary padded to
+  ``vocab_size`` with every control, empty and padding id marked special, so
+  mask rows are exactly ``ceil(vocab_size/32)`` words and never allow them;
+  stop ids are allowed exactly when the text is complete.
+* **Batch fills** run on llguidance's ``LLExecutor`` thread pool without the
+  GIL (:class:`LLGuidanceBatchOps`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
+from llguidance.gbnf_to_lark import any_to_lark
+
+from maskplug import GrammarError
+from maskplug.grammar.base import GrammarSpec, Matcher, MatcherBase, ProviderBase, Vocab
+
+__all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
+
+
+def bits_row(ids: Sequence[int], words: int) -> npt.NDArray[np.int32]:
+    """An int32 mask row of ``words`` words with exactly the bits of ``ids`` set."""
+    bits = np.zeros(words * 32, dtype=np.uint8)
+    bits[np.asarray(list(ids), dtype=np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32).copy()
+
+
+class _Encoder:
+    """The byte table's tokeniser for llguidance: greedy longest match, linked once the tokenizer exists.
+
+    ``TokenizerWrapper`` probes the callable once before the ``LLTokenizer``
+    is built; that probe gets an empty answer.
+    """
+
+    def __init__(self, vocab: Vocab, tokens: list[bytes], special: list[int]) -> None:
+        self.eos_token_id = vocab.eos_ids[0]
+        self.bos_token_id = None
+        self.tokens = tokens
+        self.special_token_ids = special
+        self.tokenizer: LLTokenizer | None = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        if self.tokenizer is None:
+            return []
+        s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return list(self.tokenizer.greedy_tokenize(s))
+
+
+class LLGuidanceGrammar:
+    """A grammar compiled by llguidance: its serialized form and a template matcher to copy from."""
+
+    def __init__(self, provider: LLGuidanceProvider, spec: GrammarSpec, grammar: str, template: LLMatcher) -> None:
+        self.provider = provider
+        self.spec = spec
+        self.grammar = grammar
+        self.template = template
+
+    def matcher(self) -> LLGuidanceMatcher:
+        """A fresh matcher at the start of the grammar."""
+        return LLGuidanceMatcher(self, self.template.deep_copy())
+
+
+class LLGuidanceMatcher(MatcherBase):
+    """One request's parser state (see the module notes)."""
+
+    # Mask computation drops the GIL; the executor fills many rows in parallel.
+    releases_gil = True
+
+    def __init__(self, grammar: LLGuidanceGrammar, engine: LLMatcher) -> None:
+        super().__init__(grammar.provider.vocab)
+        self.grammar = grammar
+        self.provider = grammar.provider
+        self.batch_ops = grammar.provider.batch_ops
+        self.engine = engine
+        self._tokens: list[int] = []
+        # The normalised mask of the current state, kept so that ``accept``
+        # right after ``fill`` (the draft-row pattern) costs a bit lookup.
+        self._mask = np.zeros(self.vocab.mask_words, dtype=np.int32)
+        self._mask_ok = False
+
+    # -- helpers --------------------------------------------------------------------
+    def _normalise(self, row: npt.NDArray[np.int32]) -> None:
+        """Clear control/padding ids; allow the stop ids exactly when the text is complete."""
+        np.bitwise_and(row, self.provider._text_row, out=row)
+        if self.engine.is_accepting():
+            np.bitwise_or(row, self.provider._stop_row, out=row)
+
+    def _compute_mask(self) -> None:
+        self.engine.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        self._normalise(self._mask)
+        self._mask_ok = True
+
+    def _rebuild(self) -> None:
+        """Replay the accepted tokens into a fresh engine (leaves any error state behind)."""
+        engine = self.grammar.template.deep_copy()
+        if self._tokens and not engine.consume_tokens(self._tokens):
+            raise GrammarError(
+                f"llguidance: could not replay {len(self._tokens)} accepted tokens: {engine.get_error()}"
+            )
+        self.engine = engine
+        self._mask_ok = False
+
+    # -- engine primitives --------------------------------------------------------
+    def _accept(self, token: int) -> bool:
+        if not self._mask_ok:
+            self._compute_mask()
+        if not (int(self._mask[token >> 5]) >> (token & 31)) & 1:
+            return False
+        self._mask_ok = False
+        if not self.engine.consume_token(token):
+            # The mask allowed it but the engine refused: never keep the error state.
+            self._rebuild()
+            return False
+        self._tokens.append(token)
+        return True
+
+    def _rollback(self, n: int) -> None:
+        if not self.engine.rollback(n):
+            raise GrammarError(f"n: llguidance could not roll back {n} tokens: {self.engine.get_error()}")
+        del self._tokens[len(self._tokens) - n :]
+        self._mask_ok = False
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if not self._mask_ok:
+            self._compute_mask()
+        bitmask[row].numpy()[:] = self._mask
+
+    def _is_complete(self) -> bool:
+        return bool(self.engine.is_accepting())
+
+    # -- the rest of the protocol ---------------------------------------------------
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (an accepted stop token counts as one)."""
+        done = len(self._tokens) + int(self._terminated)
+        if not isinstance(n, bool) and hasattr(n, "__index__") and int(n) > done:
+            raise GrammarError(f"n: expected at most the {done} accepted tokens, got {int(n)}")
+        super().rollback(n)
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self.engine = self.grammar.template.deep_copy()
+        self._tokens.clear()
+        self._terminated = False
+        self._mask_ok = False
+
+    def fork(self) -> LLGuidanceMatcher:
+        """An independent matcher in the same state."""
+        twin = LLGuidanceMatcher(self.grammar, self.engine.deep_copy())
+        twin._tokens = list(self._tokens)
+        twin._terminated = self._terminated
+        if self._mask_ok:
+            twin._mask[:] = self._mask
+            twin._mask_ok = True
+        return twin
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted so far, a stop token included."""
+        return len(self._tokens) + int(self._terminated)
+
+
+class LLGuidanceBatchOps:
+    """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
+
+    ``fill`` computes every row in one ``LLExecutor`` call (a native thread
+    pool, GIL released); accept and rollback are per matcher, since each is a
+    bit lookup or a short native call.
+    """
+
+    def __init__(self, provider: LLGuidanceProvider, num_threads: int | None) -> None:
+        self.provider = provider
+        self.num_threads = num_threads
+        self._executor: LLExecutor | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def executor(self) -> LLExecutor:
+        """The shared ``LLExecutor`` (made on first use)."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = LLExecutor(self.num_threads)
+            return self._executor
+
+    def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the bitmask is already checked)."""
+        todo: list[tuple[LLMatcher, int]] = []
+        owners: list[LLGuidanceMatcher] = []
+        for m, r in zip(matchers, rows, strict=True):
+            if not isinstance(m, LLGuidanceMatcher) or m.is_terminated() or m._mask_ok:
+                m.fill(bitmask, int(r))
+            else:
+                todo.append((m.engine, int(r)))
+                owners.append(m)
+        if not todo:
+            return
+        self.executor.unsafe_compute_mask_ptr(todo, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        bm = bitmask.numpy()
+        idx = np.fromiter((r for _, r in todo), dtype=np.int64, count=len(todo))
+        accepting = np.fromiter((m.engine.is_accepting() for m in owners), dtype=bool, count=len(owners))
+        block = bm[idx] & self.provider._text_row
+        block[accepting] |= self.provider._stop_row
+        bm[idx] = block
+        for m, r in zip(owners, idx.tolist(), strict=True):
+            m._mask[:] = bm[r]
+            m._mask_ok = True
+
+    def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for all ``i``."""
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
+        """``matchers[i].rollback(counts[i])`` for all ``i``."""
+        for m, k in zip(matchers, counts, strict=True):
+            if int(k):
+                m.rollback(int(k))
+
+
+class LLGuidanceProvider(ProviderBase):
+    """llguidance bound to one :class:`~maskplug.grammar.Vocab`; supports every spec kind.
+
+    ``ebnf`` takes GBNF (``root ::= ...``, as llama.cpp and xgrammar write it)
+    and ``lark`` takes llguidance's Lark dialect; ``json_object`` is any JSON
+    object. ``num_threads`` sizes the executor for batch fills (default:
+    llguidance's choice, 80% of the CPUs).
+    """
+
+    name = "llguidance"
+    kinds = frozenset({"json_schema", "json_object", "regex", "ebnf", "lark", "choice"})
+
+    def __init__(self, vocab: Vocab, num_threads: int | None = None) -> None:
+        super().__init__(vocab)
+        words = vocab.mask_words
+        text_ids = [i for i, t in enumerate(vocab.tokens) if t and i not in vocab.special_ids]
+        self._text_row = bits_row(text_ids, words)
+        self._stop_row = bits_row(vocab.eos_ids, words)
+        self._tokenizer: LLTokenizer | None = None
+        self._tok_lock = threading.Lock()
+        self.batch_ops = LLGuidanceBatchOps(self, num_threads)
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        """The ``LLTokenizer`` for this vocabulary (built once, offline)."""
+        with self._tok_lock:
+            if self._tokenizer is None:
+                v = self.vocab
+                text = set(i for i, t in enumerate(v.tokens) if t and i not in v.special_ids)
+                # Padding ids become empty control tokens, so the engine's
+                # mask is exactly as wide as maskplug's rows.
+                tokens = list(v.tokens) + [b""] * (v.vocab_size - len(v.tokens))
+                special = [i for i in range(v.vocab_size) if i not in text]
+                enc = _Encoder(v, tokens, special)
+                tok = LLTokenizer(TokenizerWrapper(enc), eos_token=list(v.eos_ids))
+                enc.tokenizer = tok
+                self._tokenizer = tok
+            return self._tokenizer
+
+    def grammar_for(self, spec: GrammarSpec) -> str:
+        """llguidance's serialized grammar for ``spec`` (not yet checked)."""
+        kind, src = spec.kind, spec.source
+        try:
+            if kind == "json_schema":
+                if isinstance(src, str):
+                    try:
+                        src = json.loads(src)
+                    except json.JSONDecodeError as exc:
+                        raise GrammarError(
+                            f"spec.source: expected a JSON schema, got text that is not JSON ({exc})"
+                        ) from exc
+                if not isinstance(src, dict):
+                    raise GrammarError(f"spec.source: expected a JSON schema object, got {type(src).__name__}")
+                return str(LLMatcher.grammar_from_json_schema(src))
+            if kind == "json_object":
+                return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
+            if kind == "choice":
+                if isinstance(src, str) or not isinstance(src, (list, tuple)) or not src:
+                    raise GrammarError(
+                        f"spec.source: expected a non-empty list of strings for kind 'choice', got {src!r}"
+                    )
+                for i, c in enumerate(src):
+                    if not isinstance(c, str) or not c:
+                        raise GrammarError(f"spec.source[{i}]: expected a non-empty str, got {c!r}")
+                # JSON string literals are Lark string literals for llguidance.
+                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in src)))
+            if not isinstance(src, str):
+                raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
+            if kind == "regex":
+                return str(LLMatcher.grammar_from_regex(src))
+            if kind == "lark":
+                return str(LLMatcher.grammar_from_lark(src))
+            return str(LLMatcher.grammar_from_lark(any_to_lark(src)))
+        except GrammarError:
+            raise
+        except Exception as exc:  # llguidance's converters raise ValueError and friends
+            raise GrammarError(f"spec.source: llguidance could not read this {kind} spec: {exc}") from exc
+
+    def _compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        grammar = self.grammar_for(spec)
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error:
+            reason = messages[0].strip().splitlines()[0] if messages else "unknown error"
+            raise GrammarError(f"spec.source: llguidance could not compile this {spec.kind} spec: {reason}")
+        template = LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise GrammarError(
+                f"spec.source: llguidance could not compile this {spec.kind} spec: {template.get_error()}"
+            )
+        return LLGuidanceGrammar(self, spec, grammar, template)
