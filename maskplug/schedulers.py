@@ -364,11 +364,19 @@ class _IdTable:
         self.rows: IntArray = np.zeros(0, dtype=np.int64)
         self.free: IntArray = np.zeros(0, dtype=np.int64)
         self.size = 0  # rows ever handed out
+        self.kind: str | None = None  # "int" or "str": numpy would silently compare 1 with "1"
+
+    @staticmethod
+    def _kind(ids: npt.NDArray[Any]) -> str:
+        kind = "int" if ids.dtype.kind in "iu" else "str" if ids.dtype.kind in "US" else None
+        if kind is None:
+            raise BudgetError(f"req_ids: expected integer or string request ids, got dtype {ids.dtype}")
+        return kind
 
     def lookup(self, ids: npt.NDArray[Any]) -> IntArray:
-        """Row of each id, -1 when unknown."""
+        """Row of each id, -1 when unknown (ids of the other kind are never known)."""
         out = np.full(ids.shape[0], -1, dtype=np.int64)
-        if ids.size == 0 or self.keys.size == 0:
+        if ids.size == 0 or self.keys.size == 0 or self._kind(ids) != self.kind:
             return out
         try:
             pos = np.searchsorted(self.keys, ids)
@@ -383,6 +391,12 @@ class _IdTable:
 
     def add(self, ids: npt.NDArray[Any]) -> IntArray:
         """Rows for ids that are not in the table yet (unique ids)."""
+        if ids.size:
+            kind = self._kind(ids)
+            if self.kind is None:
+                self.kind = kind
+            elif kind != self.kind:
+                raise BudgetError(f"req_ids: expected {self.kind} ids like the earlier ones, got {kind} ids ({ids.dtype})")
         k = ids.shape[0]
         reuse = self.free[:k]
         self.free = self.free[k:]
@@ -422,7 +436,7 @@ class GoodputScheduler:
 
     Prior for new requests: the population estimate per position, an
     average over every observation of every request (weight
-    ``population_alpha``), which itself starts at ``prior`` (default 0.5, a
+    ``population_alpha`` on each step's mean), which itself starts at ``prior`` (default 0.5, a
     neutral guess) and stays there until a position is first observed. So a
     request that joins a batch whose drafts are rarely accepted starts
     pessimistic, and one that joins a well-drafting batch starts optimistic.
@@ -435,7 +449,7 @@ class GoodputScheduler:
 
     name = "goodput"
 
-    def __init__(self, alpha: float = 0.1, prior: float = 0.5, population_alpha: float = 0.02) -> None:
+    def __init__(self, alpha: float = 0.1, prior: float = 0.5, population_alpha: float = 0.05) -> None:
         for nm, v, lo_open in (
             ("alpha", alpha, True),
             ("prior", prior, False),
