@@ -23,8 +23,8 @@ import maskplug
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 in the environment before Triton is imported", allow_module_level=True)
 
-from maskplug_triton import kernel as tk  # noqa: E402  (after the environment check)
-from maskplug_triton import ops  # noqa: E402,F401  (registers torch.ops.maskplug_triton)
+from maskplug_triton import kernel as tk
+from maskplug_triton import ops  # noqa: F401  (registers torch.ops.maskplug_triton)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
