@@ -596,7 +596,8 @@ class GrammarAwareScheduler:
         if conf is None:
             inner = self.inner.budget(step)
             room = int(grammar_limits(step.layout, step.grammar).sum())
-            return step.score(min(inner.budget, room, step.cap))
+            seen = None if step.confidences is None else grammar_confidences(step.confidences, step.layout, step.grammar)
+            return step.score(min(inner.budget, room, step.cap), seen)
         # choose_budget with the grammar hints; past the accepted drafts every
         # survival is 0, so the argmax (smallest on ties) never spends there.
         return choose_budget(
