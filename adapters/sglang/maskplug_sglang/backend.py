@@ -1,0 +1,484 @@
+"""maskplug as an SGLang grammar backend.
+
+:class:`MaskplugGrammarBackend` compiles SGLang's grammar keys (``json``,
+``regex``, ``ebnf``) with one of maskplug's grammar providers and returns
+:class:`MaskplugGrammar` objects, which implement SGLang's
+``BaseGrammarObject`` on maskplug's matchers, its batched fill and its
+``apply_grammar_bitmask`` kernels.
+
+SGLang's calling conventions, kept exactly:
+
+* ``accept_token`` raises ``ValueError`` (here :class:`TokenRejected`, a
+  :class:`maskplug.GrammarError`) for a token the grammar refuses, and does
+  nothing once the grammar has terminated;
+* ``rollback(k)`` undoes ``k`` accepted tokens, an accepted stop token counting
+  as one;
+* the vocab mask is the shared int32 bitmask (bit ``t & 31`` of word
+  ``t >> 5``), ``ceil(vocab_size / 32)`` words per row, allocated all-allowed
+  on the host and moved to the device without blocking;
+* ``apply_vocab_mask`` masks row ``i`` of the logits with row ``i`` of the mask
+  and leaves columns past ``32 × words`` as they are;
+* ``copy`` returns a fresh grammar at the start state (SGLang caches one
+  object per key and hands out copies);
+* a grammar that fails to compile is an ``InvalidGrammarObject`` carrying the
+  reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.constrained.base_grammar_backend import (
+    BaseGrammarBackend,
+    BaseGrammarObject,
+    GrammarRow,
+    GrammarStats,
+    InvalidGrammarObject,
+)
+
+import maskplug
+from maskplug import GrammarError, LayoutError, PluginError
+from maskplug.grammar import GrammarProvider, GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
+from maskplug.grammar.base import check_bitmask
+
+from .vocab import vocab_from_tokenizer
+
+__all__ = [
+    "DEFAULT_PROVIDER",
+    "PROVIDER_ENV",
+    "MaskplugGrammar",
+    "MaskplugGrammarBackend",
+    "TokenRejected",
+    "allocate_mask",
+    "apply_mask",
+]
+
+PROVIDER_ENV = "MASKPLUG_SGLANG_PROVIDER"
+"""Environment variable naming the maskplug grammar provider the backend uses."""
+
+DEFAULT_PROVIDER = "xgrammar"
+"""The provider used when :data:`PROVIDER_ENV` is unset."""
+
+MAX_JUMP_FORWARD = 256
+"""Most forced tokens one ``try_jump_forward`` walks (a forced run is rarely longer)."""
+
+
+class TokenRejected(GrammarError):
+    """A token the grammar does not allow was given to ``accept_token``.
+
+    A ``ValueError`` (through :class:`maskplug.GrammarError`), which is what
+    SGLang's scheduler catches to abort the request.
+    """
+
+
+def _pin() -> bool:
+    # Pinned host memory makes the later host-to-device copy truly asynchronous;
+    # it needs an accelerator runtime, so plain CPU machines skip it.
+    return torch.cuda.is_available()
+
+
+def allocate_mask(vocab_size: int, batch_size: int) -> torch.Tensor:
+    """An all-allowed host bitmask: ``batch_size`` rows of ``ceil(vocab_size / 32)`` int32 words."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size <= 0:
+        raise LayoutError(f"vocab_size: expected a positive int, got {vocab_size!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 0:
+        raise LayoutError(f"batch_size: expected an int >= 0, got {batch_size!r}")
+    words = (int(vocab_size) + 31) // 32
+    return torch.full((int(batch_size), words), -1, dtype=torch.int32, pin_memory=_pin())
+
+
+class _IdentityMaps(threading.local):
+    """Row ``i`` → logits row ``i`` mappings, kept per device and row count.
+
+    SGLang's mask has exactly one row per logits row, so the mapping is the
+    identity; building it once per (device, rows) keeps the apply path free of
+    host work and host-to-device copies.
+    """
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (str(device), rows)
+        hit = self.cache.get(key)
+        if hit is None:
+            if len(self.cache) > 64:
+                self.cache.clear()
+            ar = torch.arange(rows + 1, dtype=torch.int32, device=device)
+            hit = (ar[:rows], torch.zeros(rows, dtype=torch.int32, device=device), ar)
+            self.cache[key] = hit
+        return hit
+
+
+_identity = _IdentityMaps()
+
+
+def apply_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, backend: str = "auto") -> None:
+    """Mask ``logits`` in place with one bitmask row per logits row (SGLang's convention).
+
+    Columns ``< min(width, 32 × words)`` follow the bits (a zero bit becomes
+    ``-inf``); columns past the mask are left unchanged, as SGLang's own
+    kernels do. The work is done by :func:`maskplug.apply_grammar_bitmask`.
+
+    Raises:
+        LayoutError: the row counts differ, or shapes/dtypes/devices are wrong
+            (nothing is written).
+    """
+    if not isinstance(logits, torch.Tensor) or not isinstance(vocab_mask, torch.Tensor):
+        raise LayoutError(
+            f"logits, vocab_mask: expected torch.Tensors, got {type(logits).__name__}, {type(vocab_mask).__name__}"
+        )
+    if logits.ndim != 2 or vocab_mask.ndim != 2:
+        raise LayoutError(
+            f"logits, vocab_mask: expected 2-D tensors, got shapes {tuple(logits.shape)} and {tuple(vocab_mask.shape)}"
+        )
+    rows = int(vocab_mask.shape[0])
+    if int(logits.shape[0]) != rows:
+        raise LayoutError(f"vocab_mask: expected one row per logits row ({int(logits.shape[0])}), got {rows} rows")
+    width = int(logits.shape[1])
+    vocab_size = min(width, 32 * int(vocab_mask.shape[1]))
+    if rows == 0 or vocab_size == 0:
+        return
+    request, position, cu = _identity.get(logits.device, rows)
+    if vocab_mask.device != logits.device:
+        raise LayoutError(f"vocab_mask: expected device {logits.device} (the logits device), got {vocab_mask.device}")
+    maskplug.apply_grammar_bitmask(
+        logits,
+        vocab_mask,
+        (request, position),
+        cu,
+        vocab_size=vocab_size,
+        tail="keep",
+        backend=backend,
+    )
+
+
+def _single_token(row: torch.Tensor) -> int | None:
+    """The token id when ``row`` allows exactly one token, else None."""
+    words = row.numpy().view(np.uint32)
+    nz = np.flatnonzero(words)
+    if nz.size != 1:
+        return None
+    w = int(words[nz[0]])
+    if w & (w - 1):
+        return None
+    return int(nz[0]) * 32 + w.bit_length() - 1
+
+
+class MaskplugGrammar(BaseGrammarObject):
+    """One request's grammar: SGLang's ``BaseGrammarObject`` on a maskplug matcher.
+
+    Args:
+        compiled: the provider's compiled grammar (copies start from it).
+        vocab: the vocabulary the grammar was compiled for.
+        key_string: SGLang's grammar key text (for messages).
+        grammar_stats: SGLang's statistics record.
+        matcher: the matcher to use (default: a fresh one from ``compiled``).
+    """
+
+    def __init__(
+        self,
+        compiled: Any,
+        vocab: Vocab,
+        key_string: str | None = None,
+        grammar_stats: GrammarStats | None = None,
+        matcher: Matcher | None = None,
+    ) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.vocab = vocab
+        self.matcher: Matcher = compiled.matcher() if matcher is None else matcher
+        self.key_string = key_string
+        self.grammar_stats = grammar_stats
+        self.num_accepted = 0
+
+    # -- tokens ------------------------------------------------------------------
+    def accept_token(self, token: int) -> None:
+        """Advance by ``token``; raises :class:`TokenRejected` if the grammar refuses it.
+
+        Once the grammar has terminated, further tokens are ignored (SGLang
+        feeds the tokens of a finished step through here).
+        """
+        if self.matcher.is_terminated():
+            return
+        self.current_token = token
+        if not self.matcher.accept(token):
+            raise TokenRejected(
+                f"token: expected a token the grammar allows after {self.num_accepted} accepted tokens, "
+                f"got {token} (grammar key {self._short_key()})"
+            )
+        self.num_accepted += 1
+
+    def rollback(self, k: int) -> None:
+        """Undo the last ``k`` accepted tokens (an accepted stop token counts as one)."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.num_accepted:
+            raise GrammarError(f"k: expected an int in [0, {self.num_accepted}] (tokens accepted so far), got {k!r}")
+        self.matcher.rollback(int(k))
+        self.num_accepted -= int(k)
+
+    def is_terminated(self) -> bool:
+        """Whether a stop token was accepted."""
+        return self.matcher.is_terminated()
+
+    # -- masks -------------------------------------------------------------------
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
+        """An all-allowed host bitmask of ``batch_size`` rows for this grammar's vocabulary.
+
+        Raises:
+            LayoutError: ``vocab_size`` gives a different mask width than the
+                vocabulary the grammar was compiled for.
+        """
+        words = (int(vocab_size) + 31) // 32
+        if words != self.vocab.mask_words:
+            raise LayoutError(
+                f"vocab_size: expected a width of {self.vocab.mask_words} mask words (vocab_size "
+                f"{self.vocab.vocab_size} of the grammar backend), got {vocab_size} ({words} words)"
+            )
+        return allocate_mask(vocab_size, batch_size)
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        """Write this grammar's allowed set into ``vocab_mask[idx]``."""
+        self.matcher.fill(vocab_mask, idx)
+
+    @staticmethod
+    def fill_vocab_mask_batched(entries: list[GrammarRow], vocab_mask: torch.Tensor) -> None:
+        """Fill the listed rows (others untouched), one batched call per provider where it has one."""
+        groups: dict[int, tuple[Any, list[Matcher], list[int]]] = {}
+        rest: list[GrammarRow] = []
+        for entry in entries:
+            g = entry.grammar
+            ops = getattr(getattr(g, "matcher", None), "batch_ops", None)
+            if isinstance(g, MaskplugGrammar) and ops is not None:
+                grp = groups.setdefault(id(ops), (ops, [], []))
+                grp[1].append(g.matcher)
+                grp[2].append(int(entry.row))
+            else:
+                rest.append(entry)
+        for ops, matchers, rows in groups.values():
+            # The batch call trusts its buffer: check the width and every row first.
+            r = np.asarray(rows, dtype=np.int64)
+            check_bitmask(vocab_mask, int(r.max()), matchers[0].vocab)  # type: ignore[attr-defined]
+            if r.min() < 0:
+                raise GrammarError(f"entries: expected rows in [0, {vocab_mask.shape[0]}), got row {int(r.min())}")
+            ops.fill(matchers, vocab_mask, rows)
+        for entry in rest:
+            entry.grammar.fill_vocab_mask(vocab_mask, entry.row)
+
+    @staticmethod
+    def reset_vocab_mask(vocab_mask: torch.Tensor) -> None:
+        """Back to all-allowed."""
+        vocab_mask.fill_(-1)
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
+        """The mask on ``device``, copied without blocking the host."""
+        return vocab_mask.to(device, non_blocking=True)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        """Mask ``logits`` in place with maskplug's kernels (see :func:`apply_mask`)."""
+        apply_mask(logits, vocab_mask)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def copy(self) -> MaskplugGrammar:
+        """A fresh grammar at the start state, sharing the compiled grammar."""
+        stats = self.grammar_stats
+        if stats is not None:
+            stats = dataclasses.replace(stats, is_cache_hit=True, tree_traversal_time=[])
+        return MaskplugGrammar(self.compiled, self.vocab, self.key_string, stats)
+
+    # -- jump forward --------------------------------------------------------------
+    def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
+        """The run of tokens the grammar forces next (each the only one allowed), or None.
+
+        Works with every provider: it reads the masks, so no provider-specific
+        jump-forward call is needed. The state is left unchanged. A stop token
+        is never part of a jump.
+        """
+        if self.matcher.is_terminated():
+            return None
+        scratch = self.vocab.new_bitmask(1)
+        eos = frozenset(self.vocab.eos_ids)
+        tokens: list[int] = []
+        try:
+            while len(tokens) < MAX_JUMP_FORWARD:
+                self.matcher.fill(scratch, 0)
+                t = _single_token(scratch[0])
+                if t is None or t in eos or not self.matcher.accept(t):
+                    break
+                tokens.append(t)
+        finally:
+            if tokens:
+                self.matcher.rollback(len(tokens))
+        if not tokens:
+            return None
+        if tokenizer is not None and callable(getattr(tokenizer, "decode", None)):
+            text = str(tokenizer.decode(tokens))
+        else:
+            text = b"".join(self.vocab.tokens[t] for t in tokens).decode("utf-8", errors="replace")
+        return tokens, text
+
+    def jump_forward_str_state(self, helper: tuple[list[int], str]) -> tuple[str, int]:
+        """The forced text and the number of forced tokens."""
+        tokens, text = helper
+        return text, len(tokens)
+
+    def jump_and_retokenize(self, old_output_ids: list[int], new_output_ids: list[int], next_state: int) -> None:
+        """Re-align the grammar after SGLang re-tokenized its output.
+
+        Rolls back to the longest common prefix of the old and new ids, then
+        accepts the rest of the new ids.
+        """
+        k = 0
+        for a, b in zip(old_output_ids, new_output_ids, strict=False):
+            if a != b:
+                break
+            k += 1
+        if k < len(old_output_ids):
+            self.rollback(len(old_output_ids) - k)
+        for t in new_output_ids[k:]:
+            self.accept_token(int(t))
+
+    def _short_key(self) -> str:
+        key = self.key_string or "?"
+        return key if len(key) <= 80 else key[:77] + "..."
+
+    def __repr__(self) -> str:
+        return (
+            f"MaskplugGrammar(key={self._short_key()!r}, accepted={self.num_accepted}, "
+            f"terminated={self.is_terminated()})"
+        )
+
+
+class MaskplugGrammarBackend(BaseGrammarBackend):
+    """SGLang's grammar backend on a maskplug grammar provider.
+
+    Args:
+        tokenizer: SGLang's tokenizer (see :func:`maskplug_sglang.vocab.vocab_from_tokenizer`).
+        vocab_size: the model's logits width.
+        eos_token_ids: the model's stop tokens.
+        provider: the maskplug provider name (default: ``$MASKPLUG_SGLANG_PROVIDER``
+            or :data:`DEFAULT_PROVIDER`).
+        vocab: a ready :class:`Vocab` instead of reading ``tokenizer``.
+
+    Raises:
+        PluginError: the provider is not installed (the message lists those that are).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        *,
+        provider: str | None = None,
+        vocab: Vocab | None = None,
+    ) -> None:
+        super().__init__()
+        name = provider or os.environ.get(PROVIDER_ENV, "").strip() or DEFAULT_PROVIDER
+        known = grammar_providers()
+        if name not in known:
+            raise PluginError(
+                f"provider: expected one of the installed maskplug grammar providers {known} "
+                f"(set {PROVIDER_ENV}), got {name!r}"
+            )
+        self.vocab = vocab if vocab is not None else vocab_from_tokenizer(tokenizer, vocab_size, eos_token_ids)
+        self.provider: GrammarProvider = grammar_provider(name, self.vocab)
+        self.vocab_size = self.vocab.vocab_size
+
+    # -- SGLang's dispatch -----------------------------------------------------------
+    def _compile(self, spec: GrammarSpec, key_type: str, key_string: str) -> BaseGrammarObject:
+        if not self.provider.supports(spec.kind):
+            return InvalidGrammarObject(
+                f"grammar: maskplug provider {self.provider.name!r} does not support {spec.kind} grammars"
+            )
+        try:
+            compiled = self.provider.compile(spec)
+        except GrammarError as exc:
+            return InvalidGrammarObject(str(exc))
+        return MaskplugGrammar(compiled, self.vocab, key_string, GrammarStats(dispatch_type=key_type))
+
+    def dispatch_json(self, key_string: str) -> BaseGrammarObject:
+        """A JSON-schema grammar; ``$$ANY$$`` is any JSON value."""
+        if key_string == "$$ANY$$":
+            return self._compile(GrammarSpec("json_object"), "json", key_string)
+        return self._compile(GrammarSpec("json_schema", key_string), "json", key_string)
+
+    def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
+        """A regular-expression grammar."""
+        return self._compile(GrammarSpec("regex", key_string), "regex", key_string)
+
+    def dispatch_ebnf(self, key_string: str) -> BaseGrammarObject:
+        """An EBNF grammar (GBNF dialect, as xgrammar reads it)."""
+        return self._compile(GrammarSpec("ebnf", key_string), "ebnf", key_string)
+
+    # -- masks (SGLang calls some of these on the backend) ------------------------------
+    def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
+        """An all-allowed host bitmask (see :meth:`MaskplugGrammar.allocate_vocab_mask`)."""
+        return allocate_mask(vocab_size, batch_size)
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
+        """The mask on ``device``, copied without blocking the host."""
+        return vocab_mask.to(device, non_blocking=True)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        """Mask ``logits`` in place (see :func:`apply_mask`)."""
+        apply_mask(logits, vocab_mask)
+
+    @property
+    def is_support_token_filter(self) -> bool:
+        """This backend can set or clear individual tokens of a mask row."""
+        return True
+
+    @staticmethod
+    def set_token_filter(
+        vocab_mask: torch.Tensor,
+        token_ids: Sequence[int],
+        batch_idx: int,
+        is_allowed: bool = True,
+        reset_vocab_mask: bool = True,
+    ) -> None:
+        """Allow (or forbid) ``token_ids`` in row ``batch_idx``.
+
+        With ``reset_vocab_mask`` the row first becomes all-forbidden (when
+        allowing) or all-allowed (when forbidding); otherwise the given tokens
+        are added to (or removed from) what the row already allows.
+        """
+        row = vocab_mask[batch_idx]
+        if reset_vocab_mask:
+            row.fill_(0 if is_allowed else -1)
+        ids = np.asarray(list(token_ids), dtype=np.int64)
+        if ids.size == 0:
+            return
+        words = int(vocab_mask.shape[-1])
+        if ids.min() < 0 or ids.max() >= 32 * words:
+            raise LayoutError(f"token_ids: expected ids in [0, {32 * words}), got {ids.min()}..{ids.max()}")
+        # Collapse the ids to one bit pattern per touched word (duplicates OR together).
+        bits = np.zeros(words, dtype=np.uint32)
+        np.bitwise_or.at(bits, ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+        touched = np.flatnonzero(bits)
+        idx = torch.from_numpy(touched).to(row.device)
+        pattern = torch.from_numpy(bits[touched].view(np.int32).copy()).to(row.device)
+        if is_allowed:
+            row[idx] = row[idx] | pattern
+        else:
+            row[idx] = row[idx] & ~pattern
+
+    def reset(self) -> None:
+        """Forget SGLang's cached grammar objects (the provider keeps its compile cache)."""
+        super().reset()
+
+
+def create_backend(
+    server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any = None
+) -> MaskplugGrammarBackend:
+    """The factory SGLang calls for ``--grammar-backend maskplug`` (its registry's signature)."""
+    return MaskplugGrammarBackend(tokenizer, vocab_size, eos_token_ids)
