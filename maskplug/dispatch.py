@@ -159,7 +159,7 @@ def _int_vector(name: str, value: Any, device: torch.device) -> tuple[torch.Tens
         raise LayoutError(f"{name}: expected an integer dtype, got {arr.dtype}")
     arr64 = arr.astype(np.int64, copy=False)
     if arr64.size and (arr64.max() > np.iinfo(np.int32).max or arr64.min() < np.iinfo(np.int32).min):
-        raise LayoutError(f"{name}: values do not fit in int32 (max {arr64.max()})")
+        raise LayoutError(f"{name}: expected values that fit in int32, got {int(arr64.min())}..{int(arr64.max())}")
     arr32 = np.ascontiguousarray(arr64, dtype=np.int32)
     if device.type == "cuda":
         return _staging.to_device(name, arr32, device), arr64
@@ -252,7 +252,7 @@ def apply_grammar_bitmask(
     position, pos_host = _int_vector("mapping.position", pos_in, device)
     if request.shape[0] != position.shape[0]:
         raise LayoutError(
-            f"mapping: request and position must have equal length, got {request.shape[0]} and {position.shape[0]}"
+            f"mapping: expected request and position of equal length, got {request.shape[0]} and {position.shape[0]}"
         )
     if request.shape[0] != rows:
         raise LayoutError(
@@ -274,7 +274,7 @@ def apply_grammar_bitmask(
             )
         if int(cu_host[-1]) > logits.shape[0]:
             raise LayoutError(
-                f"cu_logits: last offset {int(cu_host[-1])} exceeds the {logits.shape[0]} logits rows"
+                f"cu_logits: expected a last offset <= the {logits.shape[0]} logits rows, got {int(cu_host[-1])}"
             )
     if req_host is not None and req_host.size:
         if req_host.min() < -1 or req_host.max() >= n:
@@ -297,4 +297,3 @@ def apply_grammar_bitmask(
         int(vocab_size),
         tail == "mask",
     )
-

@@ -42,6 +42,11 @@ def _as_counts(name: str, values: Any, n: int | None = None) -> IntArray:
     return arr
 
 
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds, so messages show ``7``, not ``np.int64(7)``."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 class ScheduledLayout:
     """What the scheduler scheduled this step, in batch order.
 
@@ -54,7 +59,7 @@ class ScheduledLayout:
         num_bonus: logits rows every request gets besides its drafts.
     """
 
-    __slots__ = ("req_ids", "num_drafts", "num_non_draft", "num_bonus", "cu_scheduled", "_ids", "_order")
+    __slots__ = ("_ids", "_order", "cu_scheduled", "num_bonus", "num_drafts", "num_non_draft", "req_ids")
 
     def __init__(
         self,
@@ -115,16 +120,18 @@ class ScheduledLayout:
         if q.size == 0:
             return np.zeros(0, dtype=np.int64)
         if self.n == 0:
-            raise LayoutError(f"{arg}: request id {q[0]!r} is not in the layout (the batch is empty)")
+            raise LayoutError(f"{arg}: expected ids of the layout, got {_plain(q[0])!r} (the batch is empty)")
         try:
             pos = np.searchsorted(self._ids, q)
         except TypeError as exc:
-            raise LayoutError(f"{arg}: ids of type {q.dtype} cannot be compared with req_ids ({self._ids.dtype})") from exc
+            raise LayoutError(
+                f"{arg}: expected ids comparable with req_ids ({self._ids.dtype}), got {q.dtype}"
+            ) from exc
         pos = np.minimum(pos, self.n - 1)
         found = self._ids[pos] == q
         if not np.all(found):
             bad = q[~np.asarray(found, dtype=bool)][0]
-            raise LayoutError(f"{arg}: request id {bad!r} is not in the layout")
+            raise LayoutError(f"{arg}: expected ids of the layout, got unknown request id {_plain(bad)!r}")
         return self._order[pos].astype(np.int64)
 
     def __repr__(self) -> str:
@@ -150,7 +157,7 @@ class RowMapping:
                 raise LayoutError(f"mapping.{name}: expected a 1-D int32 numpy array, got {got}")
         if self.request.shape != self.position.shape:
             raise LayoutError(
-                f"mapping: request and position must have equal length, got {self.request.shape[0]} "
+                f"mapping: expected request and position of equal length, got {self.request.shape[0]} "
                 f"and {self.position.shape[0]}"
             )
 
@@ -183,7 +190,9 @@ class GrammarRows:
             if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
                 raise LayoutError(f"stride: expected an int >= 1 in fixed mode, got {stride!r}")
         elif stride is not None:
-            raise LayoutError(f"stride: only meaningful in fixed mode, got {stride!r} with mode='ragged'")
+            raise LayoutError(
+                f"stride: expected None in ragged mode (a stride is only meaningful in fixed mode), got {stride!r}"
+            )
         ids = np.asarray(grammar_req_ids)
         if ids.ndim != 1:
             raise LayoutError(f"grammar_req_ids: expected a 1-D sequence, got shape {ids.shape}")
