@@ -396,7 +396,9 @@ class _IdTable:
             if self.kind is None:
                 self.kind = kind
             elif kind != self.kind:
-                raise BudgetError(f"req_ids: expected {self.kind} ids like the earlier ones, got {kind} ids ({ids.dtype})")
+                raise BudgetError(
+                    f"req_ids: expected {self.kind} ids like the earlier ones, got {kind} ids ({ids.dtype})"
+                )
         k = ids.shape[0]
         reuse = self.free[:k]
         self.free = self.free[k:]
@@ -596,7 +598,9 @@ class GrammarAwareScheduler:
         if conf is None:
             inner = self.inner.budget(step)
             room = int(grammar_limits(step.layout, step.grammar).sum())
-            seen = None if step.confidences is None else grammar_confidences(step.confidences, step.layout, step.grammar)
+            seen = (
+                None if step.confidences is None else grammar_confidences(step.confidences, step.layout, step.grammar)
+            )
             return step.score(min(inner.budget, room, step.cap), seen)
         # choose_budget with the grammar hints; past the accepted drafts every
         # survival is 0, so the argmax (smallest on ties) never spends there.
@@ -617,11 +621,15 @@ class GrammarAwareScheduler:
 def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch.Tensor) -> torch.Tensor:
     """Per-request capacities for ``budget`` from the live ``confidences``, on their device.
 
-    Without draft masks this is :func:`maskplug.allocate`. With them, live
-    confidences are grammar-corrected (rejected drafts 0, forced accepted
-    drafts 1) and no request is given more drafts than its grammar accepts,
-    so an int ``budget`` must fit ``Σ min(num_drafts, acceptable)``; a device
-    tensor budget (no host sync to check it) is clamped to that on the device.
+    Without draft masks this is :func:`maskplug.allocate`. With them, the
+    live confidences are grammar-corrected (rejected drafts 0, forced
+    accepted drafts 1) and drafts the grammar rejects come last: as long as
+    ``budget <= Σ min(num_drafts, acceptable)`` (always so for a
+    ``grammar-aware`` budget) no request is given a draft its grammar
+    rejects. A larger budget, from a grammar-blind scheduler, still sums
+    exactly to ``budget``: every accepted draft first, then rejected ones by
+    position and request (they only cost verification work, the masks refuse
+    them). No host sync; ``budget`` may be a 0-d device tensor.
     """
     if not isinstance(step, StepView):
         raise BudgetError(f"step: expected a StepView, got {type(step).__name__}")
@@ -633,15 +641,12 @@ def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch
         raise BudgetError(f"confidences: expected {lay.n} rows (one per request), got {confidences.shape[0]}")
     if step.grammar is None or np.asarray(step.grammar.request).size == 0:
         return allocate(confidences, lay.num_drafts, budget)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer, torch.Tensor)):
+        raise BudgetError(f"budget: expected an int or a 0-d tensor, got {budget!r}")
+    if isinstance(budget, (int, np.integer)) and not 0 <= budget <= lay.total_drafts:
+        raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {lay.total_drafts}, got {budget}")
     lim = grammar_limits(lay, step.grammar)
     room = int(lim.sum())
-    if isinstance(budget, torch.Tensor):
-        budget = torch.clamp(budget, max=room)
-    elif isinstance(budget, (int, np.integer)) and not isinstance(budget, bool) and budget > room:
-        raise BudgetError(
-            f"budget: expected at most Σ min(num_drafts, grammar.acceptable) = {room} drafts the grammar accepts, "
-            f"got {budget}"
-        )
     n, k = confidences.shape
     # Host-built override: NaN keeps the live value, 0/1 replace it.
     over = np.full((n, k), np.nan, dtype=np.float32)
@@ -663,7 +668,19 @@ def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch
         t = t.pin_memory().to(dev, non_blocking=True)  # queued, not a host sync
     t = t.to(dev, dtype=confidences.dtype)
     live = torch.where(torch.isnan(t), confidences, t)
-    return allocate(live, lim, budget)
+    rest = lay.num_drafts - lim
+    if isinstance(budget, torch.Tensor):
+        inside: int | torch.Tensor = torch.clamp(budget, max=room)
+        beyond: int | torch.Tensor = budget - inside
+    else:
+        inside, beyond = min(int(budget), room), max(int(budget) - room, 0)
+    cap = allocate(live, lim, inside)
+    if int(rest.sum()) == 0:
+        return cap
+    # Rejected drafts only once every accepted one is in (then `cap == lim`);
+    # equal (zero) worth, so allocate's tie-break orders them by position, then request.
+    extra = allocate(torch.zeros_like(live), rest, beyond)
+    return cap + extra
 
 
 _BUILTINS: dict[str, type] = {

@@ -106,7 +106,11 @@ def steps(
     """A random step: possibly empty, possibly without drafts, with or without draft masks."""
     n = draw(st.integers(1 if with_grammar else 0, max_n))  # a grammar step needs a request
     no_drafts = draw(st.booleans()) if n else True
-    nd = [0] * n if no_drafts and draw(st.booleans()) else draw(st.lists(st.integers(0, max_drafts), min_size=n, max_size=n))
+    nd = (
+        [0] * n
+        if no_drafts and draw(st.booleans())
+        else draw(st.lists(st.integers(0, max_drafts), min_size=n, max_size=n))
+    )
     nnd = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
     bonus = draw(st.integers(0, 2))
     ids = draw(st.lists(st.integers(0, 50), min_size=n, max_size=n, unique=True))

@@ -42,7 +42,9 @@ def test_marginal_rule_on_random_steps(rows: list[list[float]], nd: list[int], p
     """With a linear cost, dspark takes exactly the drafts whose survival pays for its own cost."""
     n = len(rows)
     lay = mp.ScheduledLayout(list(range(n)), nd[:n], [1] * n)
-    cost = mp.CostModel.linear(draft_base_ms=0.0, draft_per_req_ms=0.0, verify_base_ms=base, verify_per_token_ms=per_tok)
+    cost = mp.CostModel.linear(
+        draft_base_ms=0.0, draft_per_req_ms=0.0, verify_base_ms=base, verify_per_token_ms=per_tok
+    )
     view = mp.StepView(lay, cost, confidences=np.array(rows))
     d = mp.get_scheduler("dspark").budget(view)
     conf_rows = [rows[r][: nd[r]] for r in range(n)]
