@@ -71,6 +71,7 @@ _SIG = {
     "request_ptr": "*i32",
     "position_ptr": "*i32",
     "cu_ptr": "*i32",
+    "num_requests": "i32",
     "vocab_size": "i32",
     "limit": "i32",
     "chunks_per_row": "i32",

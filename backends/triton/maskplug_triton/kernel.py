@@ -64,6 +64,7 @@ def _mask_kernel(
     request_ptr,  # int32 (rows,)
     position_ptr,  # int32 (rows,)
     cu_ptr,  # int32 (n + 1,)
+    num_requests,  # n: a request index outside [0, n) is treated as an unused row, never read past cu
     vocab_size,
     limit,  # last column (exclusive) that may be written
     chunks_per_row,
@@ -76,10 +77,11 @@ def _mask_kernel(
     chunk = pid % chunks_per_row
     r = tl.load(request_ptr + i)
     p = tl.load(position_ptr + i)
-    rs = tl.maximum(r, 0)  # a -1 row must not read cu[-1]
+    ok = (r >= 0) & (r < num_requests)
+    rs = tl.where(ok, r, 0)  # an unused row must not read outside cu_logits
     c0 = tl.load(cu_ptr + rs)
     c1 = tl.load(cu_ptr + rs + 1)
-    live = (r >= 0) & (p >= 0) & (p < c1 - c0)
+    live = ok & (p >= 0) & (p < c1 - c0)
     if live:
         row = (c0 + p).to(tl.int64)
         out = logits_ptr + row * row_stride
@@ -166,6 +168,7 @@ def launch(
         request,
         position,
         cu_logits,
+        int(cu_logits.shape[0]) - 1,
         int(vocab_size),
         limit,
         chunks,
