@@ -146,12 +146,12 @@ def test_plan_matches_kernel_signature(dtype: torch.dtype) -> None:
     params = _kernel_params(plan.kernel)
     assert [p for _, p in params] == list(ck.ARG_NAMES)
     assert len(plan.args) == len(params)
-    for (ctype, pname), arg in zip(params, plan.args):
+    for (ctype, pname), arg in zip(params, plan.args, strict=True):
         assert ctype in _C_WIDTH, ctype
         assert np.asarray(arg).dtype.itemsize == _C_WIDTH[ctype], (pname, ctype, arg)
         if ctype.endswith("*"):
             assert np.asarray(arg).dtype == np.uint64
-    named = dict(zip(ck.ARG_NAMES, plan.args))
+    named = dict(zip(ck.ARG_NAMES, plan.args, strict=True))
     assert int(named["logits"]) == logits.data_ptr() and int(named["bitmask"]) == bm.data_ptr()
     assert int(named["request"]) == req.data_ptr() and int(named["cu"]) == cu.data_ptr()
     assert int(named["num_requests"]) == 4
@@ -217,7 +217,7 @@ def test_single_decode_row_spreads_over_the_card() -> None:
 
 def _emulate(plan: ck.LaunchPlan, tensors: dict[int, torch.Tensor]) -> None:
     """Execute ``plan`` the way ``kernel.cu`` does, block by block, on CPU tensors found by address."""
-    a = {k: int(v) for k, v in zip(ck.ARG_NAMES, plan.args)}
+    a = {k: int(v) for k, v in zip(ck.ARG_NAMES, plan.args, strict=True)}
     logits = tensors[a["logits"]]
     esize = logits.element_size()
     itype = torch.int32 if esize == 4 else torch.int16
