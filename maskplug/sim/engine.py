@@ -1,0 +1,679 @@
+"""The simulated engine loop: continuous batching through maskplug's real code, checked every step.
+
+One :class:`Simulation` serves a request stream with one budget scheduler.
+Each step it does what a speculative-decoding engine with structured outputs
+does, calling maskplug for every part that maskplug owns:
+
+1. admit new requests into free slots (their first step is a prefill chunk);
+2. draft up to ``K`` tokens per decoding request (:mod:`.models`);
+3. fill the grammar requests' mask rows for the scheduled drafts
+   (:func:`maskplug.fill_draft_masks`, real grammar provider);
+4. choose the verify budget (the scheduler, on two-step-old confidences from
+   :class:`maskplug.confidence.ConfidenceHistory`) and allocate it on the live
+   confidences (:func:`maskplug.allocate`, or
+   :func:`maskplug.schedulers.allocate_step` for grammar-aware schedulers);
+5. compact (:func:`maskplug.compact`, :func:`maskplug.active_cu_logits`),
+   build the target's logits for the live rows only and apply the masks
+   (:func:`maskplug.apply_grammar_bitmask` with the mapping from the
+   *scheduled* layout);
+6. verify, greedy or by rejection sampling, on the masked compacted logits;
+7. commit the emitted tokens (:func:`maskplug.commit`), retire finished
+   requests and validate their outputs.
+
+Every step is checked: the layout invariants (mapping length, capacity a
+per-request prefix summing to the budget, device offsets against the host
+compaction, allocation against :mod:`maskplug.reference`), that every
+emitted token is allowed by its mask row and accepted by its matcher, and,
+on a few rows per step, that masking wrote ``-inf`` exactly at the
+disallowed tokens and changed nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .. import reference
+from ..budget import CostModel, allocate
+from ..compaction import active_cu_logits, compact
+from ..confidence import ConfidenceHistory
+from ..dispatch import apply_grammar_bitmask
+from ..errors import BudgetError
+from ..grammar import GrammarProvider, commit, fill_draft_masks
+from ..layout import GrammarRows, ScheduledLayout
+from ..plugins import get_registry
+from ..schedulers import StepOutcome, StepView, allocate_step, get_scheduler
+from .models import Streams, TargetModel, draft, hash64, structural_tokens, uniform
+from .tokenizers import SimTokenizer
+from .workload import RequestSpec, WorkloadMix, load_schemas, make_request
+
+__all__ = [
+    "DEFAULT_SCHEDULERS",
+    "RunResult",
+    "SimConfig",
+    "Simulation",
+    "Workload",
+    "default_cost_model",
+    "make_scheduler",
+]
+
+I64 = npt.NDArray[np.int64]
+
+#: The schedulers ``maskplug demo`` compares, in table order. ``grammar-aware:X`` wraps ``X``.
+DEFAULT_SCHEDULERS = ("no-spec", "verify-all", "dspark", "grammar-aware:dspark", "goodput")
+
+
+def default_cost_model() -> CostModel:
+    """The simulated GPU: flat verify cost up to 64 tokens, then about 0.11 ms per token.
+
+    Shaped like a mid-size target on one accelerator: a forward pass costs
+    the same until the batch fills the compute units, then grows linearly.
+    The drafter costs a little per request.
+    """
+    return CostModel.from_curves(
+        draft_curve=[(1, 1.0), (16, 1.3), (64, 2.2), (256, 5.5)],
+        verify_curve=[(1, 9.0), (64, 9.5), (128, 16.0), (256, 30.0), (512, 58.0), (1024, 114.0)],
+        max_reqs=4096,
+        max_tokens=1 << 16,
+    )
+
+
+def make_scheduler(spec: str) -> Any:
+    """A scheduler from a spec: a registered name, or ``grammar-aware:INNER``."""
+    if spec.startswith("grammar-aware:"):
+        return get_scheduler("grammar-aware", inner=spec.split(":", 1)[1])
+    return get_scheduler(spec)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that defines a run (the seed included); see ``maskplug demo --help``.
+
+    Attributes:
+        steps: engine steps per scheduler.
+        concurrency: request slots (continuous batching keeps them full).
+        drafts: ``K``, drafts per decoding request and step.
+        tokenizer: ``"tekken"`` (131,072 tokens) or ``"spm"`` (32,000).
+        provider: grammar provider name.
+        backend: kernel backend name or ``"auto"``.
+        seed: the seed of the request stream, drafter and target.
+        noise: scale of the target's logit noise.
+        margin: the target's preference for the reference token, in logits.
+        tempt_rate: how often a grammar row's raw logits prefer a forbidden token.
+        max_batch_tokens: the engine's tokens-per-step limit (prefill chunks
+            plus decode tokens plus verified drafts); ``None`` for no limit.
+        squeeze_every: every ``N``-th step the engine has room for bonus
+            rows only (budget 0 forced through ``max_logits``); 0 = never.
+        check_rows: rows per step whose masking is checked column by column.
+        mix: request kinds.
+        schema_dir: the JSON schemas (default ``../shared/schemas``).
+    """
+
+    steps: int = 120
+    concurrency: int = 24
+    drafts: int = 4
+    tokenizer: str = "tekken"
+    provider: str = "xgrammar"
+    backend: str = "auto"
+    seed: int = 0
+    noise: float = 2.0
+    margin: float = 30.0
+    tempt_rate: float = 0.1
+    max_batch_tokens: int | None = 192
+    squeeze_every: int = 0
+    check_rows: int = 2
+    mix: WorkloadMix = field(default_factory=WorkloadMix)
+    schema_dir: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        """The configuration as plain JSON values."""
+        return {
+            "steps": self.steps,
+            "concurrency": self.concurrency,
+            "drafts": self.drafts,
+            "tokenizer": self.tokenizer,
+            "provider": self.provider,
+            "backend": self.backend,
+            "noise": self.noise,
+            "margin": self.margin,
+            "tempt_rate": self.tempt_rate,
+            "max_batch_tokens": self.max_batch_tokens,
+            "squeeze_every": self.squeeze_every,
+            "mix": {"json": self.mix.json, "regex": self.mix.regex, "free": self.mix.free},
+        }
+
+
+@dataclass
+class _Prepared:
+    spec: RequestSpec
+    ref: I64  # reference tokens followed by the stop token
+    compiled: Any  # CompiledGrammar or None
+    max_tokens: int
+
+
+class Workload:
+    """The request stream of one seed: specs, tokenised references, compiled grammars (shared by all runs)."""
+
+    def __init__(self, config: SimConfig, tokenizer: SimTokenizer, provider: GrammarProvider | None) -> None:
+        self.config = config
+        self.tok = tokenizer
+        self.provider = provider
+        self.schemas = load_schemas(config.schema_dir)
+        self._cache: dict[int, _Prepared] = {}
+
+    def get(self, index: int) -> _Prepared:
+        """Request ``index``: the reference is the first serialisation its grammar accepts."""
+        got = self._cache.get(index)
+        if got is not None:
+            return got
+        spec, texts = make_request(self.config.seed, index, self.schemas, self.config.mix)
+        eos = self.tok.eos
+        compiled = None
+        ids: list[int] | None = None
+        if spec.grammar is not None:
+            if self.provider is None:
+                raise BudgetError("provider: expected a grammar provider for grammar requests, got none")
+            compiled = self.provider.compile(spec.grammar)
+            for text in texts:
+                cand = [*self.tok.encode(text), eos]
+                if compiled.matcher().validate(cand) == len(cand):
+                    ids = cand
+                    break
+            if ids is None:
+                raise BudgetError(
+                    f"workload: no serialisation of request {index}'s {spec.name} reference is accepted by "
+                    f"{self.config.provider}: {texts[0][:80]!r}"
+                )
+        else:
+            ids = [*self.tok.encode(spec.text), eos]
+        ref = np.asarray(ids, dtype=np.int64)
+        n = int(ref.shape[0])
+        max_tokens = max(2, int(n * 0.6)) if spec.short_limit else n + 4
+        prep = _Prepared(spec, ref, compiled, max_tokens)
+        self._cache[index] = prep
+        return prep
+
+
+@dataclass
+class _Active:
+    prep: _Prepared
+    slot: int
+    matcher: Any
+    output: list[int] = field(default_factory=list)
+    on_track: bool = True
+    prefilled: bool = False
+
+
+@dataclass
+class RunResult:
+    """What one scheduler's run produced (all counts are exact; times are host measurements)."""
+
+    scheduler: str
+    steps: int = 0
+    tokens: int = 0
+    decode_steps_tokens: int = 0
+    verified: int = 0
+    accepted: int = 0
+    verify_events: int = 0
+    regimes: dict[str, int] = field(default_factory=lambda: {"full": 0, "partial": 0, "zero": 0})
+    sim_ms: float = 0.0
+    valid: int = 0
+    invalid: int = 0
+    cut_off: int = 0
+    admitted: int = 0
+    in_flight: int = 0
+    violations: list[str] = field(default_factory=list)
+    invalid_samples: list[str] = field(default_factory=list)
+    host_s: float = 0.0
+    apply_s: float = 0.0
+    budgets: list[int] = field(default_factory=list)
+    max_budgets: list[int] = field(default_factory=list)
+    tempted_rows: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Emitted tokens per engine step (all requests together)."""
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def accepted_length(self) -> float:
+        """Mean tokens emitted per decoding request per step: accepted drafts + 1."""
+        return 1.0 + self.accepted / self.verify_events if self.verify_events else 0.0
+
+    @property
+    def goodput(self) -> float:
+        """Emitted tokens per simulated second under the cost model."""
+        return self.tokens / (self.sim_ms / 1000.0) if self.sim_ms > 0 else 0.0
+
+    def as_json(self, timing: bool) -> dict[str, Any]:
+        """The DESIGN §7 record; ``host_us_per_step`` is ``None`` unless ``timing``."""
+        return {
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "tokens_per_step": round(self.tokens_per_step, 6),
+            "accepted_length": round(self.accepted_length, 6),
+            "regimes": dict(self.regimes),
+            "goodput_tok_s": round(self.goodput, 3),
+            "valid": self.valid,
+            "invalid": self.invalid,
+            "cut_off": self.cut_off,
+            "host_us_per_step": round(1e6 * self.host_s / self.steps, 1) if timing and self.steps else None,
+        }
+
+
+def _bits(bitmask_np: npt.NDArray[np.int32], rows: I64, tokens: I64) -> npt.NDArray[np.bool_]:
+    """Independent bit test: is ``tokens[i]`` allowed by mask row ``rows[i]``?"""
+    words = bitmask_np[rows, tokens >> 5].astype(np.int64) & 0xFFFFFFFF
+    return ((words >> (tokens & 31)) & 1).astype(bool)
+
+
+def _row_allowed(bitmask_row: npt.NDArray[np.int32], vocab_size: int) -> npt.NDArray[np.bool_]:
+    """The allowed-token vector of one mask row (little-endian bit order, as DESIGN §2)."""
+    bits = np.unpackbits(bitmask_row.astype("<i4").view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
+
+
+class Simulation:
+    """One scheduler serving the workload for ``config.steps`` steps.
+
+    Args:
+        config: the run's configuration.
+        scheduler: a scheduler spec (see :func:`make_scheduler`).
+        workload: the shared request stream.
+        target: the shared synthetic target model.
+        cost: the cost model for budgets and simulated time.
+        on_step: called after every step with ``(step, result)`` (progress).
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        scheduler: str,
+        workload: Workload,
+        target: TargetModel,
+        cost: CostModel,
+        on_step: Callable[[int, RunResult], None] | None = None,
+        structural: npt.NDArray[np.bool_] | None = None,
+    ) -> None:
+        self.cfg = config
+        self.name = scheduler
+        self.sched = make_scheduler(scheduler)
+        self.spec_off = scheduler == "no-spec"
+        self.grammar_aware = scheduler.startswith("grammar-aware")
+        self.work = workload
+        self.target = target
+        self.cost = cost
+        self.on_step = on_step
+        vocab = workload.tok.vocab
+        self.vocab = vocab
+        self.V = vocab.vocab_size
+        self.eos = workload.tok.eos
+        self.first_token = max(vocab.special_ids) + 1
+        self.structural = structural if structural is not None else structural_tokens(vocab)
+        self.K = 0 if self.spec_off else int(config.drafts)
+        self.hist = ConfidenceHistory(config.concurrency, max(self.K, 1))
+        self.active: list[_Active] = []
+        self.free_slots = list(range(config.concurrency))[::-1]
+        self.next_index = 0
+        self.result = RunResult(scheduler)
+        self.registry = get_registry()
+
+    # ------------------------------------------------------------------ helpers
+    def _fail(self, step: int, what: str) -> None:
+        res = self.result
+        if len(res.violations) < 50:
+            res.violations.append(f"step {step}: {what}")
+        else:
+            res.violations.append("...")  # keep counting without growing the report
+
+    def _admit(self) -> None:
+        new_slots = []
+        while len(self.active) < self.cfg.concurrency:
+            prep = self.work.get(self.next_index)
+            self.next_index += 1
+            slot = self.free_slots.pop()
+            matcher = prep.compiled.matcher() if prep.compiled is not None else None
+            self.active.append(_Active(prep, slot, matcher))
+            new_slots.append(slot)
+            self.result.admitted += 1
+        if new_slots:
+            self.hist.reset(new_slots)
+
+    def _finish(self, req: _Active, stopped: bool) -> str:
+        """Classify a finished output: ``valid``, ``invalid`` or ``cut_off``."""
+        if not stopped:
+            return "cut_off"
+        spec = req.prep.spec
+        body = req.output[:-1]
+        raw = self.work.tok.decode(body)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "invalid"
+        if spec.kind == "json":
+            import jsonschema
+
+            try:
+                jsonschema.validate(json.loads(text), spec.schema or {})
+            except (ValueError, jsonschema.ValidationError):
+                return "invalid"
+            return "valid"
+        if spec.kind == "regex":
+            import regex
+
+            return "valid" if regex.fullmatch(spec.pattern or "", text) is not None else "invalid"
+        return "valid"
+
+    # --------------------------------------------------------------------- step
+    def step(self, t: int) -> None:
+        """Run engine step ``t``."""
+        cfg, res, K, V = self.cfg, self.result, self.K, self.V
+        self._admit()
+        act = self.active
+        n = len(act)
+        rid = np.fromiter((a.prep.spec.index for a in act), dtype=np.int64, count=n)
+        slots = np.fromiter((a.slot for a in act), dtype=np.int64, count=n)
+        length = np.fromiter((len(a.output) for a in act), dtype=np.int64, count=n)
+        prefill = np.fromiter((not a.prefilled for a in act), dtype=bool, count=n)
+        on_track = np.fromiter((a.on_track for a in act), dtype=bool, count=n)
+        limit = np.fromiter((a.prep.max_tokens for a in act), dtype=np.int64, count=n)
+        prompt = np.fromiter((a.prep.spec.prompt_len for a in act), dtype=np.int64, count=n)
+        skill = np.fromiter((a.prep.spec.skill for a in act), dtype=np.float64, count=n)
+        sampled = np.fromiter((a.prep.spec.sampled for a in act), dtype=bool, count=n)
+        has_g = np.fromiter((a.matcher is not None for a in act), dtype=bool, count=n)
+
+        # Reference window: window[r, j] is the reference token j places past the output.
+        width = K + 2
+        window = np.empty((n, width), dtype=np.int64)
+        for r, a in enumerate(act):
+            ref = a.prep.ref
+            idx = np.minimum(length[r] + np.arange(width), ref.shape[0] - 1)
+            window[r] = ref[idx]
+
+        num_drafts = np.where(prefill, 0, np.clip(np.minimum(K, limit - length - 1), 0, None)).astype(np.int64)
+        num_non_draft = np.where(prefill, prompt, 1).astype(np.int64)
+        layout = ScheduledLayout(rid, num_drafts, num_non_draft)
+        d = draft(
+            cfg.seed, rid, length, window, num_drafts, skill, sampled, self.structural, self.first_token, V, max(K, 1)
+        )
+
+        # ---- grammar rows for the scheduled drafts (maskplug) ----------------
+        h0 = time.perf_counter()
+        g_idx = np.nonzero(has_g)[0]
+        rows = GrammarRows(rid[g_idx])
+        num_rows = rows.num_rows(layout)
+        bitmask = self.vocab.new_bitmask(num_rows)
+        live_cols = np.arange(d.tokens.shape[1])[None, :] < num_drafts[:, None]
+        flat_drafts = d.tokens[live_cols]  # batch order, Σ num_drafts entries
+        dm = fill_draft_masks([act[g].matcher for g in g_idx], flat_drafts, bitmask, rows, layout)
+        mapping = rows.mapping(layout)
+
+        # ---- budget: stale confidences, engine token limit -------------------
+        stale = self.hist.stale(slots)[:, : max(K, 1)]
+        room = None
+        if cfg.max_batch_tokens is not None:
+            room = max(0, int(cfg.max_batch_tokens) - int(num_non_draft.sum()))
+        if cfg.squeeze_every and t % cfg.squeeze_every == cfg.squeeze_every - 1:
+            room = 0
+        max_logits = None if room is None else n * layout.num_bonus + room
+        view = StepView(layout, self.cost, confidences=stale, grammar=dm if g_idx.size else None, max_logits=max_logits)
+        decision = self.sched.budget(view)
+        b = int(decision.budget)
+        live = torch.from_numpy(d.conf.astype(np.float32))
+        if self.grammar_aware:
+            capacity = allocate_step(view, live, b)
+        else:
+            capacity = allocate(live, num_drafts, b)
+        cu = active_cu_logits(capacity, layout.num_bonus)
+        comp = compact(layout, b)
+        host_s = time.perf_counter() - h0
+
+        # ---- invariants of the layouts ---------------------------------------
+        cap = capacity.numpy().astype(np.int64)
+        cu_np = cu.numpy().astype(np.int64)
+        if not 0 <= b <= view.cap:
+            self._fail(t, f"budget {b} outside [0, {view.cap}]")
+        if len(mapping) != num_rows or bitmask.shape[0] != num_rows:
+            self._fail(t, f"mapping has {len(mapping)} rows, bitmask {bitmask.shape[0]}, producer {num_rows}")
+        if int(cap.sum()) != b or np.any(cap < 0) or np.any(cap > num_drafts):
+            self._fail(t, f"capacity {cap.tolist()} does not split budget {b} within {num_drafts.tolist()}")
+        if not self.grammar_aware:
+            ref_cap = reference.allocate(live.numpy(), num_drafts, b)
+            if list(ref_cap) != cap.tolist():
+                self._fail(t, f"allocate {cap.tolist()} differs from the reference {list(ref_cap)}")
+        elif dm is not None and g_idx.size and np.any(cap[dm.request] > dm.acceptable):
+            self._fail(t, "grammar-aware allocation admitted drafts the grammar rejects")
+        expect_cu = np.concatenate([[0], np.cumsum(cap + layout.num_bonus)])
+        if not np.array_equal(cu_np, expect_cu):
+            self._fail(t, f"active cu_logits {cu_np.tolist()} != cumsum(capacity + bonus) {expect_cu.tolist()}")
+        if comp.num_tokens != int(num_non_draft.sum()) + b:
+            self._fail(t, f"compaction keeps {comp.num_tokens} tokens, expected {int(num_non_draft.sum()) + b}")
+        if comp.exact and not np.array_equal(comp.cu_logits, cu_np):
+            self._fail(t, f"exact host cu_logits {comp.cu_logits.tolist()} != device {cu_np.tolist()}")
+        total = layout.total_drafts
+        regime = "zero" if b == 0 else ("full" if b == total else "partial")
+        if total and comp.regime != regime:
+            self._fail(t, f"compaction regime {comp.regime!r}, expected {regime!r}")
+
+        # ---- target logits for the live (compacted) rows only ----------------
+        R = int(cu_np[-1])
+        row_req = np.repeat(np.arange(n), cap + 1)
+        row_pos = np.arange(R) - cu_np[row_req]
+        k_all = d.tokens.shape[1]
+        match = (d.tokens == window[:, :k_all]) & live_cols
+        lead = np.cumprod(match, axis=1).sum(axis=1)  # drafts that follow the reference
+        prefix_ok = on_track[row_req] & (row_pos <= lead[row_req])
+        pos_c = np.minimum(row_pos, width - 1)
+        preferred = np.where(prefix_ok, window[row_req, pos_c], self.eos)
+        # Grammar row of each live logits row (−1 for unconstrained requests).
+        g_of = np.full(n, -1, dtype=np.int64)
+        g_of[g_idx] = np.arange(g_idx.size)
+        g_start = np.zeros(g_idx.size + 1, dtype=np.int64)
+        np.cumsum(num_drafts[g_idx] + layout.num_bonus, out=g_start[1:])
+        mrow = np.where(g_of[row_req] >= 0, g_start[np.maximum(g_of[row_req], 0)] + row_pos, -1)
+        bm_np = bitmask.numpy()
+        tempt = np.full(R, -1, dtype=np.int64)
+        out_pos = length[row_req] + row_pos
+        want = (mrow >= 0) & prefix_ok & (uniform(cfg.seed, Streams.TEMPT, rid[row_req], out_pos) < cfg.tempt_rate)
+        if np.any(want):
+            w = np.nonzero(want)[0]
+            cand = self.first_token + (
+                hash64(
+                    cfg.seed, Streams.TEMPT_TOKEN, rid[row_req[w]][:, None], out_pos[w][:, None], np.arange(4)[None, :]
+                )
+                % np.uint64(V - self.first_token)
+            ).astype(np.int64)
+            allowed = _bits(bm_np, np.repeat(mrow[w], 4).reshape(-1, 4), cand)
+            first_bad = np.argmax(~allowed, axis=1)
+            ok = ~allowed[np.arange(w.size), first_bad]
+            tempt[w[ok]] = cand[ok, first_bad[ok]]
+            res.tempted_rows += int(ok.sum())
+        logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
+
+        # Keep a few masked rows' raw values to check the kernel column by column.
+        check = np.nonzero(mrow >= 0)[0]
+        if check.size > cfg.check_rows:
+            check = check[(hash64(cfg.seed, 99, t, np.arange(cfg.check_rows)) % np.uint64(check.size)).astype(np.int64)]
+        before = logits[torch.from_numpy(check)].clone() if check.size else None
+
+        a0 = time.perf_counter()
+        if num_rows:
+            apply_grammar_bitmask(logits, bitmask, mapping, cu, vocab_size=V, backend=cfg.backend)
+        apply_s = time.perf_counter() - a0
+
+        if before is not None:
+            after = logits[torch.from_numpy(check)]
+            for i, row in enumerate(check.tolist()):
+                allowed_row = torch.from_numpy(_row_allowed(bm_np[mrow[row]], V))
+                ok_row = torch.equal(torch.where(allowed_row, before[i], float("-inf")), after[i])
+                if not ok_row:
+                    self._fail(t, f"logits row {row} not masked exactly by mask row {int(mrow[row])}")
+
+        # ---- verification on the masked, compacted logits --------------------
+        tgt = logits.argmax(dim=1).numpy().astype(np.int64)
+        draft_row = row_pos < cap[row_req]  # rows whose draft is being verified
+        dr = np.nonzero(draft_row)[0]
+        dtok = d.tokens[row_req[dr], row_pos[dr]]
+        acc_row = np.zeros(R, dtype=bool)
+        greedy_dr = ~sampled[row_req[dr]]
+        acc_row[dr[greedy_dr]] = dtok[greedy_dr] == tgt[dr[greedy_dr]]
+        sdr = dr[~greedy_dr]
+        if sdr.size:
+            sel = torch.from_numpy(sdr)
+            lse = torch.logsumexp(logits[sel], dim=1).double()
+            st = dtok[~greedy_dr]
+            p_d = torch.exp(logits[sel, torch.from_numpy(st)].double() - lse).numpy()
+            conc = d.conc[row_req[sdr]]
+            belief = d.belief[row_req[sdr], row_pos[sdr]]
+            q_d = (1.0 - conc) / V + conc * (st == belief)
+            u = uniform(cfg.seed, Streams.ACCEPT, rid[row_req[sdr]], out_pos[sdr])
+            acc_row[sdr] = u * q_d < p_d
+        # Nothing is accepted after an accepted stop token: the output ends there.
+        after_eos = np.zeros_like(d.tokens, dtype=bool)
+        if k_all > 1:
+            after_eos[:, 1:] = np.cumsum(d.tokens[:, :-1] == self.eos, axis=1) > 0
+        acc_row[dr] &= ~after_eos[row_req[dr], row_pos[dr]]
+        ok_mat = np.zeros((n, max(k_all, 1) + 1), dtype=bool)
+        ok_mat[row_req[dr], row_pos[dr]] = acc_row[dr]
+        n_acc = np.minimum(np.cumprod(ok_mat, axis=1).sum(axis=1), cap)
+        # A draft the grammar rejects can never be accepted (its row forbids it),
+        # so the accepted prefix never passes the grammar's acceptable count.
+        acceptable = num_drafts.copy()
+        if g_idx.size:
+            acceptable[dm.request] = dm.acceptable
+        beyond = n_acc > acceptable
+        if np.any(beyond):
+            br = int(np.argmax(beyond))
+            self._fail(
+                t,
+                f"verification accepted {int(n_acc[br])} drafts of request {int(rid[br])} "
+                f"({d.tokens[br, : num_drafts[br]].tolist()}) but its grammar accepts {int(acceptable[br])}",
+            )
+            n_acc = np.minimum(n_acc, acceptable)
+        final_row = cu_np[:-1] + n_acc
+        final_tok = tgt[final_row].copy()
+        s_req = np.nonzero(sampled)[0]
+        if s_req.size:
+            rows_s = torch.from_numpy(final_row[s_req])
+            probs = torch.softmax(logits[rows_s].double(), dim=1)
+            rejected = n_acc[s_req] < cap[s_req]
+            if np.any(rejected):
+                rj = np.nonzero(rejected)[0]
+                conc = torch.from_numpy(d.conc[s_req[rj]])[:, None]
+                resid = probs[rj] - (1.0 - conc) / V
+                bel = torch.from_numpy(d.belief[s_req[rj], n_acc[s_req[rj]]])
+                resid[torch.arange(rj.size), bel] -= conc[:, 0]
+                resid = resid.clamp_min(0.0)
+                good = resid.sum(dim=1) > 0
+                probs[torch.from_numpy(rj[good.numpy()])] = resid[good]
+            cdf = torch.cumsum(probs, dim=1)
+            u = uniform(cfg.seed, Streams.SAMPLE, rid[s_req], length[s_req] + n_acc[s_req])
+            target_mass = torch.from_numpy(u)[:, None] * cdf[:, -1:]
+            pick = torch.searchsorted(cdf, target_mass, right=True)[:, 0].clamp_max(V - 1)
+            final_tok[s_req] = pick.numpy()
+
+        # ---- emit, check, commit ---------------------------------------------
+        c0 = time.perf_counter()
+        finished: list[tuple[int, bool]] = []
+        emitted_total = 0
+        for r, a in enumerate(act):
+            toks = [int(x) for x in d.tokens[r, : n_acc[r]]] + [int(final_tok[r])]
+            if self.eos in toks:
+                toks = toks[: toks.index(self.eos) + 1]
+            toks = toks[: max(0, a.prep.max_tokens - len(a.output))]
+            if a.matcher is not None:
+                g = g_of[r]
+                rws = g_start[g] + np.arange(len(toks))
+                if not np.all(_bits(bm_np, rws, np.asarray(toks, dtype=np.int64))):
+                    self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
+                took = commit(a.matcher, toks)
+                if took != len(toks):
+                    self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
+            ref = a.prep.ref
+            start = len(a.output)
+            if a.on_track:
+                seg = ref[start : start + len(toks)]
+                a.on_track = seg.shape[0] == len(toks) and bool(np.array_equal(seg, toks))
+            a.output.extend(toks)
+            a.prefilled = True
+            emitted_total += len(toks)
+            stopped = bool(toks) and toks[-1] == self.eos
+            if stopped or len(a.output) >= a.prep.max_tokens:
+                finished.append((r, stopped))
+                if a.matcher is not None and stopped and not a.matcher.is_terminated():
+                    self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
+        host_s += time.perf_counter() - c0
+
+        decode = ~prefill
+        o0 = time.perf_counter()
+        fin_ids = rid[[r for r, _ in finished]] if finished else np.zeros(0, dtype=np.int64)
+        self.sched.observe(
+            StepOutcome(req_ids=rid[decode], verified=cap[decode], accepted=n_acc[decode], finished=fin_ids)
+        )
+        self.hist.record(slots, live if K else torch.zeros(n, 1))
+        host_s += time.perf_counter() - o0
+
+        for r, stopped in finished:
+            a = act[r]
+            verdict = self._finish(a, stopped)
+            if verdict == "valid":
+                res.valid += 1
+            elif verdict == "cut_off":
+                res.cut_off += 1
+            else:
+                res.invalid += 1
+                if len(res.invalid_samples) < 5:
+                    res.invalid_samples.append(f"{a.prep.spec.name}: {self.work.tok.decode(a.output)[:200]!r}")
+            self.free_slots.append(a.slot)
+        done = {r for r, _ in finished}
+        self.active = [a for r, a in enumerate(act) if r not in done]
+
+        # ---- accounting ----------------------------------------------------------
+        step_ms = float(self.cost.verify_ms(int(num_non_draft.sum()) + b))
+        if total:
+            step_ms += float(self.cost.draft_ms(int(decode.sum())))
+        res.steps += 1
+        res.tokens += emitted_total
+        res.sim_ms += step_ms
+        res.regimes[regime] += 1
+        res.verified += b
+        res.accepted += int(n_acc[decode].sum())
+        res.verify_events += int(decode.sum())
+        res.host_s += host_s
+        res.apply_s += apply_s
+        res.budgets.append(b)
+        res.max_budgets.append(int(view.cap))
+        self.registry.step_end(
+            {
+                "step": t,
+                "scheduler": self.name,
+                "num_requests": n,
+                "num_grammar_requests": int(g_idx.size),
+                "scheduled_drafts": total,
+                "budget": b,
+                "regime": regime,
+                "mask_rows": num_rows,
+                "logits_rows": R,
+                "emitted": emitted_total,
+                "finished": len(finished),
+                "sim_ms": step_ms,
+                "host_us": host_s * 1e6,
+                "apply_us": apply_s * 1e6,
+            }
+        )
+
+    def run(self) -> RunResult:
+        """Run ``config.steps`` steps; the result also counts requests still in flight."""
+        for t in range(self.cfg.steps):
+            self.step(t)
+            if self.on_step is not None:
+                self.on_step(t, self.result)
+        self.result.in_flight = len(self.active)
+        return self.result
