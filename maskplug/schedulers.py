@@ -183,7 +183,8 @@ class StepView:
             est = float("nan")
         else:
             s = survival(np.asarray(conf, dtype=np.float64), lay.num_drafts)
-            top = -np.sort(-s.ravel(), kind="stable")[: int(budget)]
+            # the sum of the top-b survivals (ties are equal values: any sort gives the same sum)
+            top = np.sort(s.ravel())[::-1][: int(budget)]
             est = float(self.sampling + top.sum())
         return BudgetDecision(budget=int(budget), expected_tokens=est, cost_ms=float(c))
 
