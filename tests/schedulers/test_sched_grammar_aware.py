@@ -142,3 +142,23 @@ def test_grammar_aware_never_loses_to_the_wrapped_decision(arg: tuple[object, Ca
         limits[r] = min(len(row), grammar_of.get(r, len(row)))
         padded[r, : len(row)] = row
     assert cap == reference.allocate(padded, limits, aware.budget)
+
+
+def test_allocate_step_validation() -> None:
+    lay = mp.ScheduledLayout([1, 2], [2, 2], [1, 1])
+    view = mp.StepView(lay, COST, grammar=masks([1], [1], [[False] * 3]))
+    with pytest.raises(mp.BudgetError, match="step: expected a StepView"):
+        mp.allocate_step("view", torch.ones((2, 2)), 1)  # type: ignore[arg-type]
+    with pytest.raises(mp.BudgetError, match="confidences: expected 2 rows"):
+        mp.allocate_step(view, torch.ones((3, 2)), 1)
+    with pytest.raises(mp.BudgetError, match="floating"):
+        mp.allocate_step(view, torch.ones((2, 2), dtype=torch.int32), 1)
+    with pytest.raises(mp.BudgetError, match="budget: expected an int"):
+        mp.allocate_step(view, torch.ones((2, 2)), 1.5)  # type: ignore[arg-type]
+    with pytest.raises(mp.BudgetError, match="budget: expected 0 <= budget"):
+        mp.allocate_step(view, torch.ones((2, 2)), -1)
+    # fp16 and bf16 live confidences give the same capacities as fp32
+    live = torch.tensor([[0.5, 0.25], [0.75, 0.5]])
+    for dt in (torch.float16, torch.bfloat16, torch.float64):
+        for b in range(5):
+            assert mp.allocate_step(view, live.to(dt), b).tolist() == mp.allocate_step(view, live, b).tolist()
