@@ -223,7 +223,7 @@ def test_a_schema_violation_is_refused_by_every_provider() -> None:
 def test_named_difference_xgrammar_bounded_strings() -> None:
     """Measured: xgrammar refuses JSON escapes inside strings with minLength/maxLength; the others take them.
 
-    The language allows ``"a\\nb"`` (four characters) under ``maxLength: 5``.
+    The language allows ``"a\\nb\\"c"`` (five characters) under ``maxLength: 5``.
     If this starts failing because xgrammar accepts it, the generator above
     can put escapes into bounded strings again.
     """
