@@ -159,18 +159,6 @@ def apply_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, backend: str = "a
     )
 
 
-def _single_token(row: torch.Tensor) -> int | None:
-    """The token id when ``row`` allows exactly one token, else None."""
-    words = row.numpy().view(np.uint32)
-    nz = np.flatnonzero(words)
-    if nz.size != 1:
-        return None
-    w = int(words[nz[0]])
-    if w & (w - 1):
-        return None
-    return int(nz[0]) * 32 + w.bit_length() - 1
-
-
 class MaskplugGrammar(BaseGrammarObject):
     """One request's grammar: SGLang's ``BaseGrammarObject`` on a maskplug matcher.
 
@@ -295,22 +283,29 @@ class MaskplugGrammar(BaseGrammarObject):
 
     # -- jump forward --------------------------------------------------------------
     def try_jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
-        """The run of tokens the grammar forces next (each the only one allowed), or None.
+        """The tokens spelling the text the grammar forces next, or None.
 
-        Works with every provider: it reads the masks, so no provider-specific
-        jump-forward call is needed. The state is left unchanged. A stop token
-        is never part of a jump.
+        Works with every provider, from the masks alone: while every allowed
+        token starts with the same bytes and one token is exactly those bytes,
+        that token is forced text (whatever the model samples begins with it),
+        so it is taken and the walk goes on. It stops where the output could
+        end (a stop token is allowed) or branch. The state is left unchanged.
         """
         if self.matcher.is_terminated():
             return None
         scratch = self.vocab.new_bitmask(1)
-        eos = frozenset(self.vocab.eos_ids)
+        eos = self.vocab.eos_ids
+        n_tokens = len(self.vocab.tokens)
         tokens: list[int] = []
         try:
             while len(tokens) < MAX_JUMP_FORWARD:
                 self.matcher.fill(scratch, 0)
-                t = _single_token(scratch[0])
-                if t is None or t in eos or not self.matcher.accept(t):
+                bits = np.unpackbits(scratch[0].numpy().view(np.uint8), bitorder="little")
+                ids = np.flatnonzero(bits[:n_tokens])
+                if ids.size == 0 or any(bits[e] for e in eos):
+                    break
+                t = self._forced_token(ids)
+                if t is None or not self.matcher.accept(t):
                     break
                 tokens.append(t)
         finally:
@@ -323,6 +318,25 @@ class MaskplugGrammar(BaseGrammarObject):
         else:
             text = b"".join(self.vocab.tokens[t] for t in tokens).decode("utf-8", errors="replace")
         return tokens, text
+
+    def _forced_token(self, ids: np.ndarray) -> int | None:
+        """The allowed token equal to the common prefix of all allowed tokens' bytes, if any."""
+        toks = self.vocab.tokens
+        pieces = [toks[i] for i in ids.tolist()]
+        lo, hi = min(pieces), max(pieces)
+        # The common prefix of a set of strings is that of its least and greatest elements.
+        n = 0
+        for a, b in zip(lo, hi, strict=False):
+            if a != b:
+                break
+            n += 1
+        if n == 0:
+            return None
+        prefix = lo[:n]
+        for i, p in zip(ids.tolist(), pieces, strict=True):
+            if p == prefix:
+                return int(i)
+        return None
 
     def jump_forward_str_state(self, helper: tuple[list[int], str]) -> tuple[str, int]:
         """The forced text and the number of forced tokens."""

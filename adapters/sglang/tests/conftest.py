@@ -1,0 +1,184 @@
+"""Fixtures for the SGLang adapter tests: real tokenizers, SGLang's own xgrammar backend, ours.
+
+Two real vocabularies, both offline:
+
+* a byte-level BPE ``tokenizer.json`` trained here with ``tokenizers`` on the
+  shared test schemas and JSON text, wrapped in a Hugging Face fast tokenizer:
+  SGLang's xgrammar backend reads it with ``TokenizerInfo.from_huggingface``
+  (its ordinary path) and ours with maskplug's tokenizer.json loader;
+* the 32,000-token SentencePiece model shipped in the ``mistral-common`` wheel,
+  read by maskplug's loader; SGLang gets it through its ``init_xgrammar`` hook
+  for tokenizers xgrammar cannot read itself.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile(
+    "dev",
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+SCHEMA_DIR = Path(__file__).resolve().parents[3] / "shared" / "schemas"
+if not SCHEMA_DIR.is_dir():  # a clone next to a shared/ folder one level up
+    SCHEMA_DIR = Path(__file__).resolve().parents[4] / "shared" / "schemas"
+
+BPE_VOCAB_SIZE = 832  # the model's logits width: padded past the tokenizer's ids
+
+SPECIALS = ("<s>", "</s>", "<pad>")
+
+REGEXES = (
+    r"[a-z]{2,6}-\d{2,4}",
+    r"(yes|no|maybe)( please)?",
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"[A-Z][a-z]+( [A-Z][a-z]+)*",
+)
+
+EBNFS = (
+    'root ::= "yes" | "no" | "maybe " [0-9]+',
+    'root ::= item ("," item)*\nitem ::= [a-z]+ | "\\"" [a-z ]* "\\""',
+    'root ::= "{" ws "\\"k\\"" ws ":" ws num ws "}"\nnum ::= [0-9]+\nws ::= [ ]?',
+)
+
+
+def schema_texts() -> list[str]:
+    """The shared JSON schemas, as text."""
+    files = sorted(glob.glob(str(SCHEMA_DIR / "*.json")))
+    if not files:
+        raise FileNotFoundError(f"expected the shared test schemas in {SCHEMA_DIR}")
+    return [Path(f).read_text() for f in files]
+
+
+def grammar_keys() -> list[tuple[str, str]]:
+    """SGLang grammar keys covering every kind the adapter dispatches."""
+    keys = [("json", s) for s in schema_texts()]
+    keys.append(("json", "$$ANY$$"))
+    keys += [("regex", r) for r in REGEXES]
+    keys += [("ebnf", e) for e in EBNFS]
+    return keys
+
+
+def _corpus() -> list[str]:
+    rng = random.Random(1234)
+    words = "alpha beta gamma delta street city name order item price true false null id type value".split()
+    docs = [json.dumps(json.loads(t)) for t in schema_texts()] + schema_texts()
+    for _ in range(400):
+        obj = {rng.choice(words): rng.choice([rng.randint(0, 9999), rng.choice(words), None, True, [1, 2]])}
+        docs.append(json.dumps(obj, indent=rng.choice([None, 2])))
+    return docs
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A byte-level BPE Hugging Face fast tokenizer trained here (deterministic, offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=800,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def bpe_backends(bpe_tokenizer: Any) -> tuple[Any, Any]:
+    """(SGLang's own ``XGrammarGrammarBackend``, ours) on the trained tokenizer."""
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    from maskplug_sglang.backend import MaskplugGrammarBackend
+
+    eos = [bpe_tokenizer.eos_token_id]
+    theirs = XGrammarGrammarBackend(bpe_tokenizer, vocab_size=BPE_VOCAB_SIZE, model_eos_token_ids=eos)
+    ours = MaskplugGrammarBackend(bpe_tokenizer, BPE_VOCAB_SIZE, set(eos), provider="xgrammar")
+    return theirs, ours
+
+
+class SentencePieceTokenizer:
+    """SGLang's hook for special tokenizers (``init_xgrammar``) plus maskplug's vocabulary.
+
+    SGLang's xgrammar backend calls ``init_xgrammar()`` for tokenizers
+    ``TokenizerInfo.from_huggingface`` cannot read; here it returns a raw
+    vocabulary built from the same decoded bytes maskplug reads, with control
+    pieces as empty bytes (xgrammar's convention for special tokens).
+    """
+
+    def __init__(self) -> None:
+        from maskplug.grammar.vocabs import mistral_sentencepiece
+
+        self.maskplug_vocab = mistral_sentencepiece()
+        self.eos_token_id = self.maskplug_vocab.eos_ids[0]
+
+    def init_xgrammar(self) -> tuple[Any, None]:
+        import xgrammar as xgr
+
+        v = self.maskplug_vocab
+        encoded = [b"" if i in v.special_ids else t for i, t in enumerate(v.tokens)]
+        info = xgr.TokenizerInfo(encoded, xgr.VocabType.RAW, vocab_size=v.vocab_size, stop_token_ids=list(v.eos_ids))
+        return info, None
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.maskplug_vocab.tokens[i] for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="session")
+def sp_backends() -> tuple[Any, Any, SentencePieceTokenizer]:
+    """(SGLang's xgrammar backend, ours, the tokenizer) on mistral-common's SentencePiece model."""
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
+
+    from maskplug_sglang.backend import MaskplugGrammarBackend
+
+    tok = SentencePieceTokenizer()
+    size = tok.maskplug_vocab.vocab_size
+    theirs = XGrammarGrammarBackend(tok, vocab_size=size, model_eos_token_ids=[tok.eos_token_id])
+    ours = MaskplugGrammarBackend(tok, size, {tok.eos_token_id}, provider="xgrammar")
+    return theirs, ours, tok
+
+
+def control_columns(vocab: Any) -> torch.Tensor:
+    """A one-row bitmask with the bits of the non-stop control tokens set."""
+    words = np.zeros(vocab.mask_words, dtype=np.uint32)
+    for t in sorted(vocab.special_ids - set(vocab.eos_ids)):
+        words[t >> 5] |= np.uint32(1 << (t & 31))
+    return torch.from_numpy(words.view(np.int32).copy())
+
+
+def allowed_ids(row: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows, below ``vocab_size``."""
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def compile_pair(backends: tuple[Any, ...], key: tuple[str, str]) -> tuple[Any, Any]:
+    """The same key through SGLang's dispatch on both backends."""
+    theirs, ours = backends[0], backends[1]
+    return theirs._init_value_dispatch(key, False), ours._init_value_dispatch(key, False)
