@@ -11,6 +11,7 @@ at a time, on a thread pool when their engine releases the GIL.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,7 @@ from .base import Matcher, check_bitmask
 __all__ = ["commit", "fill_draft_masks"]
 
 IntArray = npt.NDArray[np.int64]
+_STRATEGIES = ("auto", "batch", "threads", "serial")
 
 
 def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
@@ -92,19 +94,31 @@ def _gate(active_from: Any, g: int) -> IntArray:
     return a.astype(np.int64)
 
 
-def _forced_rows(bitmask: torch.Tensor, rows: IntArray) -> npt.NDArray[np.bool_]:
-    """Whether each listed bitmask row allows exactly one token (vectorised)."""
-    if rows.size == 0:
-        return np.zeros(0, dtype=bool)
-    words = bitmask.numpy()[rows].view(np.uint32)
-    nz = np.count_nonzero(words, axis=1)
+def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArray[np.bool_]:
+    """Whether each listed bitmask row allows exactly one token (vectorised, no copy of the rows)."""
+    words = bitmask.numpy()[:total].view(np.uint32)
+    nz = np.count_nonzero(words, axis=1)[rows]
     one = nz == 1
     if np.any(one):
-        v = words[one].max(axis=1)
+        v = words[rows[one]].max(axis=1)
         single = np.zeros_like(one)
         single[one] = (v & (v - np.uint32(1))) == 0
         return single
     return one
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool per size: starting threads every step would cost more than small fills."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-grammar")
+            _POOLS[workers] = pool
+        return pool
 
 
 class _Walk:
@@ -198,6 +212,7 @@ def fill_draft_masks(
     *,
     threads: int | None = None,
     active_from: Any = None,
+    strategy: str = "auto",
 ) -> DraftMasks:
     """Fill every grammar request's mask rows for this step's scheduled drafts.
 
@@ -227,12 +242,20 @@ def fill_draft_masks(
             are not grammar text) and active from it (row ``active_from`` is
             the matcher's current mask). A value past the window leaves every
             row all-allowed.
+        strategy: ``"auto"`` (a provider's batch operations where it has
+            them, else request by request on a thread pool when the engine
+            releases the GIL), ``"batch"`` (the same), ``"threads"`` (request
+            by request on the pool even where batch operations exist) or
+            ``"serial"`` (request by request on the calling thread). Every
+            strategy writes the same rows.
 
     Returns:
         :class:`DraftMasks` with the batch index, the drafts the grammar
         accepts (a prefix length; gated drafts count as accepted) and which
         rows allow exactly one token.
     """
+    if strategy not in _STRATEGIES:
+        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
     if not isinstance(rows, GrammarRows):
         raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
     if not isinstance(layout, ScheduledLayout):
@@ -279,14 +302,14 @@ def fill_draft_masks(
     walk = _Walk(g_count, nd)
     walk.filled = np.zeros((g_count, int(need.max()) if g_count else 0), dtype=bool)
     eos = [_eos_of(m) for m in ms]
-    if total:
-        bitmask[:total].fill_(-1)
+    n_threads = min(8, os.cpu_count() or 1) if threads is None else int(threads)
 
-    # Group requests by their provider's batch operations.
+    # Group requests by their provider's batch operations; "threads" (or a
+    # provider without batch operations) walks request by request instead.
     groups: dict[int, tuple[Any, list[int]]] = {}
     single: list[int] = []
     for g, m in enumerate(ms):
-        ops = getattr(m, "batch_ops", None)
+        ops = getattr(m, "batch_ops", None) if strategy in ("auto", "batch") else None
         if ops is None:
             single.append(g)
         else:
@@ -296,18 +319,26 @@ def fill_draft_masks(
         for ops, members in groups.values():
             _walk_batched(ops, np.asarray(members, dtype=np.int64), ms, d, nd, need, gate, row0, eos, bitmask, walk)
         if single:
-            n_threads = min(8, os.cpu_count() or 1) if threads is None else int(threads)
-            pooled = n_threads > 1 and len(single) > 1 and all(getattr(ms[g], "releases_gil", False) for g in single)
+            pooled = (
+                strategy != "serial"
+                and n_threads > 1
+                and len(single) > 1
+                and all(getattr(ms[g], "releases_gil", False) for g in single)
+            )
 
-            def one(g: int) -> None:
-                _walk_one(g, ms[g], d[g], int(nd[g]), int(need[g]), int(gate[g]), int(row0[g]), eos[g], bitmask, walk)
+            def chunk(part: list[int]) -> None:
+                for g in part:
+                    _walk_one(
+                        g, ms[g], d[g], int(nd[g]), int(need[g]), int(gate[g]), int(row0[g]), eos[g], bitmask, walk
+                    )
 
             if pooled:
-                with ThreadPoolExecutor(max_workers=min(n_threads, len(single))) as pool:
-                    list(pool.map(one, single))
+                # Interleaved chunks balance grammars of different cost across the workers.
+                workers = min(n_threads, len(single))
+                parts = [single[i::workers] for i in range(workers)]
+                list(_pool(workers).map(chunk, parts))
             else:
-                for g in single:
-                    one(g)
+                chunk(single)
     finally:
         # Restore every matcher, whatever happened above.
         for ops, members in groups.values():
@@ -318,11 +349,18 @@ def fill_draft_masks(
             if walk.accepted[g]:
                 ms[g].rollback(int(walk.accepted[g]))
 
+    # Rows nobody filled are all-allowed; write only those (the filled ones hold masks).
     width = walk.filled.shape[1]
     forced = np.zeros((g_count, width), dtype=bool)
     gi, pi = np.nonzero(walk.filled)
+    filled_rows = row0[gi] + pi
+    if total:
+        blank = np.ones(total, dtype=bool)
+        blank[filled_rows] = False
+        if blank.any():
+            bitmask.index_fill_(0, torch.from_numpy(np.flatnonzero(blank)), -1)
     if gi.size:
-        forced[gi, pi] = _forced_rows(bitmask, row0[gi] + pi)
+        forced[gi, pi] = _forced_rows(bitmask, total, filled_rows)
     return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
 
 

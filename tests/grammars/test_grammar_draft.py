@@ -66,7 +66,7 @@ def _make_case(provider: str, vocab_name: str, rng: random.Random, n_req: int, m
     return v, layout, rows, grammar, matchers, drafts, gates
 
 
-def _check(v, layout, rows, grammar, matchers, drafts, gates, *, flat: bool) -> None:
+def _check(v, layout, rows, grammar, matchers, drafts, gates, *, flat: bool, strategy: str = "auto") -> None:
     probes = [[*d, 0] for d in drafts]
     before = [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)]
     refs = [reference_rows(m, v, d, layout.num_bonus, g) for m, d, g in zip(matchers, drafts, gates, strict=True)]
@@ -80,7 +80,7 @@ def _check(v, layout, rows, grammar, matchers, drafts, gates, *, flat: bool) -> 
         arg = np.array(
             [t for i in range(layout.n) for t in by_req.get(i, [7] * int(layout.num_drafts[i]))], dtype=np.int64
         )
-    out = fill_draft_masks(matchers, arg, bitmask, rows, layout, active_from=gates)
+    out = fill_draft_masks(matchers, arg, bitmask, rows, layout, active_from=gates, strategy=strategy, threads=2)
     assert [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)] == before
     assert torch.equal(bitmask[total:], tail), "rows past the producer's rows were written"
     mapping = rows.mapping(layout)
@@ -104,19 +104,24 @@ def _check(v, layout, rows, grammar, matchers, drafts, gates, *, flat: bool) -> 
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@given(seed=st.integers(0, 2**32 - 1), mode=st.sampled_from(["ragged", "fixed"]), flat=st.booleans())
-def test_fill_draft_masks_matches_reference(provider: str, seed: int, mode: str, flat: bool) -> None:
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    mode=st.sampled_from(["ragged", "fixed"]),
+    flat=st.booleans(),
+    strategy=st.sampled_from(["auto", "threads", "serial"]),
+)
+def test_fill_draft_masks_matches_reference(provider: str, seed: int, mode: str, flat: bool, strategy: str) -> None:
     rng = random.Random(seed)
     case = _make_case(provider, "spm", rng, rng.randint(1, 5), 5, mode)
-    _check(*case, flat=flat)
+    _check(*case, flat=flat, strategy=strategy)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("seed", range(3))
-def test_fill_draft_masks_real_131k_vocab(provider: str, seed: int) -> None:
-    rng = random.Random(1000 + seed)
+@pytest.mark.parametrize("strategy", ["auto", "threads", "serial"])
+def test_fill_draft_masks_real_131k_vocab(provider: str, strategy: str) -> None:
+    rng = random.Random(1000 + len(strategy))
     case = _make_case(provider, "tekken", rng, 12, 7, rng.choice(["ragged", "fixed"]))
-    _check(*case, flat=False)
+    _check(*case, flat=False, strategy=strategy)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -172,6 +177,8 @@ def test_fill_draft_masks_bad_input_leaves_everything_untouched(provider: str) -
             fill_draft_masks(matchers, drafts, bm, rows, layout)
         assert torch.equal(bm, before)
         assert [state_of(m, v, walk) for m in ms] == states
+    with pytest.raises(LayoutError, match="strategy"):
+        fill_draft_masks(ms, [walk, walk], bitmask, rows, layout, strategy="gpu")
     with pytest.raises(LayoutError, match="active_from"):
         fill_draft_masks(ms, [walk, walk], bitmask, rows, layout, active_from=[0, -1])
 

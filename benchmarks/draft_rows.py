@@ -1,0 +1,200 @@
+"""Draft-row production: fill_draft_masks against a sequential accept/fill/rollback loop.
+
+64 grammar requests × 8 rows (7 drafts + 1 bonus) on the 131,072-token tekken
+vocabulary, per registered grammar provider. Every step, both producers run on
+the very same matchers and drafts (alternating which goes first); both leave
+the matchers where they started, and the rows are checked identical. Then a
+random verification outcome is committed so the next step starts elsewhere in
+the grammar, as in serving.
+
+    .venv/bin/python benchmarks/draft_rows.py [--steps 40] [--requests 64] [--drafts 7] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from maskplug import GrammarRows, GrammarSpec, ScheduledLayout, commit, fill_draft_masks, grammar_provider
+from maskplug import grammar_providers as list_providers
+from maskplug.grammar import Matcher, Vocab
+from maskplug.grammar.vocabs import mistral_tekken
+
+SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+# Unbounded repetitions: xgrammar precomputes masks per grammar state, and
+# counted ones ({2,12}) multiply states it then fills token by token at run time
+# (10 ms per row at this vocabulary size), which would measure that pathology only.
+REGEXES = (
+    r"[A-Z][a-z]+( [a-z]+)+\.",
+    r"\{\"name\": \"[A-Za-z ]+\", \"age\": [0-9]+, \"tags\": \[(\"[a-z]+\"(, \"[a-z]+\")*)?\]\}",
+    r"(0|[1-9][0-9]*)(\.[0-9]+)?(, (0|[1-9][0-9]*)(\.[0-9]+)?)*",
+)
+
+
+def specs() -> list[GrammarSpec]:
+    """A mix of JSON schemas (when the shared folder is there), JSON objects and regexes."""
+    out = [GrammarSpec("regex", r) for r in REGEXES] + [GrammarSpec("json_object")]
+    if SCHEMAS.is_dir():
+        for p in sorted(SCHEMAS.glob("*.json"))[:4]:
+            out.append(GrammarSpec("json_schema", p.read_text()))
+    return out
+
+
+def sequential(matchers: list[Matcher], drafts: list[list[int]], bitmask: torch.Tensor, num_bonus: int) -> None:
+    """The plain per-request loop an engine would write: fill, accept, ..., roll back."""
+    row = 0
+    for m, d in zip(matchers, drafts, strict=True):
+        took, alive = 0, True
+        rows = len(d) + num_bonus
+        for p in range(rows):
+            if alive:
+                m.fill(bitmask, row + p)
+            else:
+                bitmask[row + p].fill_(-1)
+            if alive and p < len(d):
+                if m.accept(d[p]):
+                    took += 1
+                    alive = not m.is_terminated()
+                else:
+                    alive = False
+        if took:
+            m.rollback(took)
+        row += rows
+
+
+def _walk(m: Matcher, v: Vocab, rng: random.Random, n: int, bm: torch.Tensor) -> list[int]:
+    """Up to ``n`` allowed tokens at random (text tokens mostly; the matcher is restored)."""
+    out: list[int] = []
+    while len(out) < n:
+        m.fill(bm, 0)
+        bits = np.unpackbits(bm[0].numpy().view(np.uint8), bitorder="little")[: v.vocab_size]
+        ids = np.flatnonzero(bits)
+        if ids.size == 0:
+            break
+        t = int(ids[rng.randrange(ids.size)])
+        if t in v.eos_ids and ids.size > 1 and rng.random() < 0.9:
+            continue
+        if not m.accept(t):
+            break
+        out.append(t)
+        if m.is_terminated():
+            break
+    if out:
+        m.rollback(len(out))
+    return out
+
+
+def bench_provider(name: str, v: Vocab, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    prov = grammar_provider(name, v)
+    sp = [s for s in specs() if prov.supports(s.kind)]
+    t0 = time.perf_counter()
+    comp = [prov.compile(s) for s in sp]
+    compile_s = time.perf_counter() - t0
+    n, k, bonus = args.requests, args.drafts, 1
+    matchers = [comp[i % len(comp)].matcher() for i in range(n)]
+    layout = ScheduledLayout(list(range(n)), [k] * n, [1] * n, num_bonus=bonus)
+    rows = GrammarRows(list(range(n)))
+    total = rows.num_rows(layout)
+    bm_seq, bm_fast, scratch = v.new_bitmask(total), v.new_bitmask(total), v.new_bitmask(1)
+    t_seq: list[float] = []
+    t_fast: list[float] = []
+    for step in range(args.warmup + args.steps):
+        drafts = []
+        for m in matchers:
+            d = _walk(m, v, rng, k, scratch)
+            if rng.random() < 0.25 and d:  # a drafter mistake at a random position
+                d[rng.randrange(len(d))] = rng.randrange(1000, len(v.tokens))
+            d += [rng.randrange(1000, len(v.tokens)) for _ in range(k - len(d))]
+            drafts.append(d)
+        order = ("seq", "fast") if step % 2 == 0 else ("fast", "seq")
+        for which in order:
+            start = time.perf_counter()
+            if which == "fast":
+                out = fill_draft_masks(matchers, drafts, bm_fast, rows, layout, threads=args.threads)
+                dt = time.perf_counter() - start
+                if step >= args.warmup:
+                    t_fast.append(dt)
+            else:
+                sequential(matchers, drafts, bm_seq, bonus)
+                dt = time.perf_counter() - start
+                if step >= args.warmup:
+                    t_seq.append(dt)
+        if not torch.equal(bm_seq, bm_fast):
+            raise SystemExit(f"{name}: the two producers disagree at step {step}")
+        # Verification outcome: a random accepted prefix plus a bonus token from its row.
+        for g, m in enumerate(matchers):
+            a = rng.randint(0, int(out.acceptable[g]))
+            emitted = drafts[g][:a]
+            if not any(t in v.eos_ids for t in emitted):
+                bits = np.unpackbits(bm_fast[g * (k + bonus) + a].numpy().view(np.uint8), bitorder="little")
+                ids = np.flatnonzero(bits[: v.vocab_size])
+                if ids.size:
+                    emitted.append(int(ids[rng.randrange(ids.size)]))
+            commit(m, emitted)
+            if m.is_terminated():
+                m.reset()
+
+    def summary(ts: list[float]) -> dict[str, float]:
+        arr = np.array(ts) * 1e3
+        return {
+            "rows_per_s": total / float(np.mean(arr) / 1e3),
+            "p50_ms": float(np.percentile(arr, 50)),
+            "p99_ms": float(np.percentile(arr, 99)),
+        }
+
+    seq, fast = summary(t_seq), summary(t_fast)
+    return {
+        "provider": name,
+        "grammars": len(sp),
+        "compile_s": compile_s,
+        "sequential": seq,
+        "fill_draft_masks": fast,
+        "speedup_p50": seq["p50_ms"] / fast["p50_ms"],
+        "speedup_mean": statistics.mean(t_seq) / statistics.mean(t_fast),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--drafts", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--providers", default=",".join(list_providers()))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    v = mistral_tekken()
+    results = []
+    for name in [p for p in args.providers.split(",") if p]:
+        print(f"[{name}] compiling and running {args.steps} steps ...", file=sys.stderr, flush=True)
+        results.append(bench_provider(name, v, args))
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    rows = args.requests * (args.drafts + 1)
+    print(f"{args.requests} grammar requests x {args.drafts + 1} rows = {rows} rows/step, vocab {v.vocab_size}")
+    print(f"{'provider':<14}{'producer':<18}{'rows/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'speedup':>9}")
+    for r in results:
+        for label, key in (("sequential loop", "sequential"), ("fill_draft_masks", "fill_draft_masks")):
+            s = r[key]
+            sp = f"{r['speedup_p50']:.2f}x" if key == "fill_draft_masks" else ""
+            print(
+                f"{r['provider']:<14}{label:<18}{s['rows_per_s']:>10.0f}{s['p50_ms']:>9.2f}{s['p99_ms']:>9.2f}{sp:>9}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
