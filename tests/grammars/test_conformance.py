@@ -375,3 +375,49 @@ def test_random_walks_agree(vocab_name: str, name: str, walks: int, steps: int) 
         total.accepts_checked += t.accepts_checked
     assert total.steps >= walks
     assert total.accepts_checked > 0
+
+
+def _sets_after(vocab: Vocab, pattern: str, text: list[bytes]) -> tuple[dict[str, set[int]], dict[str, Any]]:
+    spec = GrammarSpec("regex", pattern)
+    ms = {n: grammar_provider(n, vocab).compile(spec).matcher() for n in PROVIDERS}
+    for piece in text:
+        t = vocab.tokens.index(piece)
+        for m in ms.values():
+            assert m.accept(t)
+    out = {}
+    for n, m in ms.items():
+        b = vocab.new_bitmask(1)
+        m.fill(b, 0)
+        out[n] = set(allowed_ids(b[0], vocab.vocab_size).tolist()) - set(vocab.eos_ids)
+    return out, ms
+
+
+def test_named_difference_outlines_final_state() -> None:
+    """A bare space after a completed word, or the ``.`` after ``2``: xgrammar and llguidance allow it, outlines-core not."""
+    vocab = mistral_sentencepiece()
+    for pattern, text, omitted in (
+        (r"[a-z]+( [a-z]+)*", [b"hello"], b" "),
+        (REGEXES["number"], [b"2"], b"."),
+        (REGEXES["pairs"], [b"ab"], b"c"),
+    ):
+        sets, _ = _sets_after(vocab, pattern, text)
+        xg, oc, ll = sets["xgrammar"], sets["outlines-core"], sets["llguidance"]
+        ids = {i for i, t in enumerate(vocab.tokens) if t == omitted}
+        assert ids <= xg and ids & ll and not ids & oc
+        oracle, done = Oracle(pattern), b"".join(text)
+        # The whole gap, measured exactly: the tokens whose last byte follows a full match.
+        assert xg - oc == {t for t in xg if passes_final_state(oracle, done, vocab.tokens[t])}
+        assert xg - oc and oc < xg
+
+
+def test_named_difference_llguidance_canonical() -> None:
+    """Forced text: xgrammar and outlines-core take every spelling, llguidance only the canonical one."""
+    vocab = mistral_sentencepiece()
+    sets, ms = _sets_after(vocab, REGEXES["phone"], [b"8", b"2", b"0"])
+    dashes = {i for i, t in enumerate(vocab.tokens) if t == b"-"}
+    assert len(dashes) == 2  # the piece "-" and the byte-fallback token <0x2D>
+    assert sets["xgrammar"] == sets["outlines-core"] == dashes
+    assert len(sets["llguidance"]) == 1 and sets["llguidance"] < dashes
+    engine = ms["llguidance"].engine
+    assert bytes(engine.compute_ff_bytes()) == b"-"
+    assert sets["llguidance"] == {int(engine.compute_ff_tokens()[0])}
