@@ -113,9 +113,8 @@ def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="session")
 def bpe_backends(bpe_tokenizer: Any) -> tuple[Any, Any]:
     """(SGLang's own ``XGrammarGrammarBackend``, ours) on the trained tokenizer."""
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
-
     from maskplug_sglang.backend import MaskplugGrammarBackend
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
     eos = [bpe_tokenizer.eos_token_id]
     theirs = XGrammarGrammarBackend(bpe_tokenizer, vocab_size=BPE_VOCAB_SIZE, model_eos_token_ids=eos)
@@ -153,9 +152,8 @@ class SentencePieceTokenizer:
 @pytest.fixture(scope="session")
 def sp_backends() -> tuple[Any, Any, SentencePieceTokenizer]:
     """(SGLang's xgrammar backend, ours, the tokenizer) on mistral-common's SentencePiece model."""
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
-
     from maskplug_sglang.backend import MaskplugGrammarBackend
+    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
 
     tok = SentencePieceTokenizer()
     size = tok.maskplug_vocab.vocab_size

@@ -1,0 +1,167 @@
+"""Speculative verify windows: SGLang's own draft-tree traversal on both grammar objects.
+
+SGLang builds the grammar mask of a speculative step with ``traverse_tree``
+(``sglang.srt.speculative.spec_utils``): a depth-first walk over the draft
+tree that accepts each draft the parent's mask allows, fills that node's row,
+descends, and rolls back one token on the way up. Importing ``spec_utils``
+pulls in SGLang's multimodal stack (torchvision, which does not load beside
+the CPU torch here), so the function is taken from SGLang's installed source
+file and run as is, unchanged, on SGLang's xgrammar object and on ours.
+
+Each step: a random draft tree (chains and branches, drafts the grammar allows
+and drafts it refuses), both masks compared row by row, the grammars back in
+their starting state, then the verifier's outcome committed to both
+(accepted drafts plus the bonus token sampled from the masked row) and, in
+some steps, accepted in full and rolled back to the verified prefix.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from conftest import allowed_ids, compile_pair, control_columns, grammar_keys
+from hypothesis import given
+from hypothesis import strategies as st
+from maskplug_sglang.backend import MaskplugGrammar
+
+KEYS = grammar_keys()
+
+
+def _sglang_traverse_tree() -> Any:
+    """SGLang's ``traverse_tree``, compiled from its installed source."""
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "srt" / "speculative" / "spec_utils.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "traverse_tree")
+    module = ast.Module(body=[fn], type_ignores=[])
+    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+
+    namespace: dict[str, Any] = {"torch": torch, "Optional": __import__("typing").Optional}
+    namespace["BaseGrammarObject"] = BaseGrammarObject
+    exec(compile(module, str(path), "exec"), namespace)
+    return namespace["traverse_tree"]
+
+
+traverse_tree = _sglang_traverse_tree()
+
+
+def _random_tree(
+    rng: np.random.Generator, oracle: Any, vocab_size: int, width: int, bad_rate: float, avoid: set[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft tree of ``width`` nodes in SGLang's format (first child / next sibling, node 0 = root).
+
+    Drafts are drawn from what ``oracle`` (SGLang's grammar object, advanced along
+    the tree and rolled back) allows at the parent, or, with probability
+    ``bad_rate``, any token (usually one the grammar refuses).
+    """
+    parent = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.35 else i - 1 for i in range(1, width)]
+    children: list[list[int]] = [[] for _ in range(width)]
+    for i in range(1, width):
+        children[parent[i]].append(i)
+    tokens = np.zeros(width, dtype=np.int64)
+    mask = oracle.allocate_vocab_mask(vocab_size, 1, "cpu")
+
+    def grow(node: int, depth_ok: bool) -> None:
+        allowed = np.zeros(0, dtype=np.int64)
+        if depth_ok and not oracle.is_terminated():
+            oracle.fill_vocab_mask(mask, 0)
+            allowed = np.array([t for t in allowed_ids(mask[0], vocab_size) if t not in avoid], dtype=np.int64)
+        for c in children[node]:
+            if allowed.size and rng.random() >= bad_rate:
+                tokens[c] = int(rng.choice(allowed))
+                oracle.accept_token(int(tokens[c]))
+                grow(c, True)
+                oracle.rollback(1)
+            else:
+                tokens[c] = int(rng.choice([t for t in range(vocab_size) if t not in avoid]))
+                grow(c, False)
+
+    grow(0, True)
+    next_token = np.full(width, -1, dtype=np.int64)
+    next_sibling = np.full(width, -1, dtype=np.int64)
+    for node, kids in enumerate(children):
+        if kids:
+            next_token[node] = kids[0]
+            for a, b in itertools.pairwise(kids):
+                next_sibling[a] = b
+    return torch.from_numpy(next_token), torch.from_numpy(next_sibling), torch.from_numpy(tokens)
+
+
+def _verified_path(next_token: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    """The first-child chain of drafts the masks allow: what a verifier could accept."""
+    path: list[int] = []
+    node = 0
+    while int(next_token[node]) != -1:
+        child = int(next_token[node])
+        t = int(tokens[child])
+        if not (int(mask[node][t >> 5]) >> (t & 31)) & 1:
+            break
+        path.append(t)
+        node = child
+    return path
+
+
+@given(seed=st.integers(0, 2**32 - 1), key_index=st.integers(0, len(KEYS) - 1))
+def test_draft_windows_agree_with_sglang(bpe_backends: tuple[Any, Any], seed: int, key_index: int) -> None:
+    theirs, ours = compile_pair(bpe_backends, KEYS[key_index])
+    assert isinstance(ours, MaskplugGrammar)
+    vocab = ours.vocab
+    size = vocab.vocab_size
+    eos = vocab.eos_ids[0]
+    keep = ~control_columns(vocab)
+    # Control tokens never appear as drafts here: their literal text is the one named difference.
+    avoid = set(vocab.special_ids) - {eos}
+    rng = np.random.default_rng(seed)
+    for _step in range(int(rng.integers(1, 6))):
+        if ours.is_terminated():
+            break
+        width = int(rng.integers(1, 9))
+        nt, ns, toks = _random_tree(rng, theirs, size, width, float(rng.choice([0.0, 0.2, 0.6])), avoid)
+        mt = theirs.allocate_vocab_mask(size, width, "cpu")
+        mo = ours.allocate_vocab_mask(size, width, "cpu")
+        traverse_tree(nt, ns, toks, theirs, mt, vocab_size=size)
+        traverse_tree(nt, ns, toks, ours, mo, vocab_size=size)
+        assert torch.equal(mt & keep, mo & keep), f"step {_step}: masks differ for tree {toks.tolist()}"
+        # Both are back where they started.
+        assert ours.is_terminated() == theirs.is_terminated()
+        one_t = theirs.allocate_vocab_mask(size, 1, "cpu")
+        one_o = ours.allocate_vocab_mask(size, 1, "cpu")
+        theirs.fill_vocab_mask(one_t, 0)
+        ours.fill_vocab_mask(one_o, 0)
+        assert torch.equal(one_t & keep, one_o & keep) and torch.equal(mo[0], one_o[0])
+
+        # The verifier keeps a prefix of the allowed chain, then samples the bonus from its row.
+        path = _verified_path(nt, toks, mo)
+        keep_n = int(rng.integers(0, len(path) + 1))
+        row = 0
+        for _ in range(keep_n):
+            row = int(nt[row])
+        bonus_ids = allowed_ids(mo[row], size)
+        if rng.random() < 0.5:
+            # The engine's other commit order: every allowed draft first, then roll back.
+            for t in path:
+                theirs.accept_token(t)
+                ours.accept_token(t)
+            back = len(path) - keep_n
+            if back:
+                theirs.rollback(back)
+                ours.rollback(back)
+            emitted = [] if not bonus_ids.size else [int(rng.choice(bonus_ids))]
+        else:
+            emitted = path[:keep_n] + ([int(rng.choice(bonus_ids))] if bonus_ids.size else [])
+        for t in emitted:
+            # SGLang stops feeding at termination; both ignore tokens after it.
+            theirs.accept_token(t)
+            ours.accept_token(t)
+            assert theirs.is_terminated() == ours.is_terminated()
+        if not ours.is_terminated():
+            theirs.fill_vocab_mask(one_t, 0)
+            ours.fill_vocab_mask(one_o, 0)
+            assert torch.equal(one_t & keep, one_o & keep)
