@@ -2,6 +2,9 @@
 
 ``maskplug plugins``   what loaded, from which distribution, with which hooks
 ``maskplug backends``  kernel backends and, where one cannot run, why
+``maskplug demo``      the end-to-end serving simulation (see :mod:`maskplug.sim`)
+``maskplug selftest``  every backend and provider against the reference, in seconds
+``maskplug bench``     host-path, draft-row and kernel timings against installed peers
 """
 
 from __future__ import annotations
@@ -82,6 +85,67 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .errors import MaskplugError
+    from .sim.engine import DEFAULT_SCHEDULERS, SimConfig
+    from .sim.run import format_json, format_table, run_demo
+
+    base = SimConfig()
+    cfg = SimConfig(
+        steps=args.steps if args.steps is not None else base.steps,
+        concurrency=args.concurrency if args.concurrency is not None else base.concurrency,
+        drafts=args.drafts if args.drafts is not None else base.drafts,
+        tokenizer=args.tokenizer,
+        provider=args.provider,
+        backend=args.backend,
+        seed=args.seed,
+        squeeze_every=args.squeeze_every,
+        max_batch_tokens=(args.max_batch_tokens or None)
+        if args.max_batch_tokens is not None
+        else base.max_batch_tokens,
+        schema_dir=args.schemas,
+    )
+    for name in ("steps", "concurrency"):
+        if getattr(cfg, name) < 1:
+            print(
+                f"maskplug demo: error: --{name}: expected an integer >= 1, got {getattr(cfg, name)}", file=sys.stderr
+            )
+            return 2
+    if cfg.drafts < 0:
+        print(f"maskplug demo: error: --drafts: expected an integer >= 0, got {cfg.drafts}", file=sys.stderr)
+        return 2
+    scheds = [s for arg in (args.scheduler or []) for s in arg.split(",") if s] or list(DEFAULT_SCHEDULERS)
+    show = not args.no_progress
+    try:
+        report = run_demo(cfg, scheds, progress=show)
+        if args.plot:
+            from .sim.plot import plot_demo, sweep
+
+            goodput = sweep(cfg, scheds, steps=args.sweep_steps, progress=show)
+            path = plot_demo(args.plot, report, goodput)
+            print(f"plot written to {path}", file=sys.stderr)
+    except MaskplugError as exc:
+        print(f"maskplug demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(format_json(report, timing=not args.no_timing))
+    else:
+        print(format_table(report))
+    return 1 if report.invalid or report.violations else 0
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from .selftest import run_selftest
+
+    return run_selftest(seed=args.seed, cases=args.cases, as_json=args.json, progress=not args.no_progress)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(quick=args.quick, as_json=args.json, progress=not args.no_progress)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``maskplug`` command."""
     from . import __version__
@@ -101,6 +165,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="device to check (default: cpu, and cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_backends)
+
+    p = sub.add_parser(
+        "demo",
+        help="end-to-end structured-output serving simulation (the main job)",
+        description="Simulate an engine serving JSON-schema, regex and unconstrained requests with speculative "
+        "decoding and adaptive verification through maskplug's real code, once per budget scheduler, and "
+        "report throughput, budget regimes, goodput and output validity. Exit status 1 when any output is "
+        "invalid or any invariant check failed.",
+    )
+    p.add_argument("--steps", type=int, default=None, help="engine steps per scheduler (default 120)")
+    p.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 24)")
+    p.add_argument("--drafts", type=int, default=None, help="drafts per decoding request and step (default 4)")
+    p.add_argument("--provider", default="xgrammar", help="grammar provider (default xgrammar)")
+    p.add_argument("--backend", default="auto", help="kernel backend (default auto)")
+    p.add_argument(
+        "--scheduler",
+        action="append",
+        help="scheduler(s) to run, repeatable or comma-separated; grammar-aware:INNER wraps INNER "
+        "(default: no-spec, verify-all, dspark, grammar-aware:dspark, goodput)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests, drafter and target (default 0)")
+    p.add_argument("--tokenizer", choices=("tekken", "spm"), default="tekken", help="vocabulary (default tekken)")
+    p.add_argument("--schemas", default=None, help="folder of JSON schemas (default ../shared/schemas)")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=None, help="engine tokens per step, 0 = no limit (default 192)"
+    )
+    p.add_argument("--squeeze-every", type=int, default=0, help="every N-th step has room for bonus rows only")
+    p.add_argument("--json", action="store_true", help="print one JSON object (DESIGN section 7)")
+    p.add_argument(
+        "--no-timing",
+        action="store_true",
+        help="with --json: report host_us_per_step as null, so the same seed gives byte-identical output",
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="also sweep concurrency 1/8/64/256 and draw a PNG")
+    p.add_argument("--sweep-steps", type=int, default=30, help="steps per scheduler and level of the sweep")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("selftest", help="check every kernel backend and grammar provider against the reference")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random cases")
+    p.add_argument("--cases", type=int, default=40, help="random cases per check")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.set_defaults(func=_cmd_selftest)
+
+    p = sub.add_parser("bench", help="host-path, draft-row and kernel benchmarks against installed peers")
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds, for smoke tests)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

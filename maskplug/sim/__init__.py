@@ -1,0 +1,27 @@
+"""The simulator: a deterministic engine loop over real tokenizers, grammars and kernels.
+
+``maskplug demo`` runs it; tests and budget research import it. See
+:mod:`maskplug.sim.engine` for what one step does and checks, and
+:mod:`maskplug.sim.models` for the synthetic target and drafter.
+"""
+
+from __future__ import annotations
+
+from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model, make_scheduler
+from .run import DemoReport, format_json, format_table, run_demo
+from .workload import WorkloadMix
+
+__all__ = [
+    "DEFAULT_SCHEDULERS",
+    "DemoReport",
+    "RunResult",
+    "SimConfig",
+    "Simulation",
+    "Workload",
+    "WorkloadMix",
+    "default_cost_model",
+    "format_json",
+    "format_table",
+    "make_scheduler",
+    "run_demo",
+]

@@ -166,14 +166,23 @@ class TargetModel:
         self.seed = int(seed)
         self.margin = float(margin)
         self.vocab_size = int(vocab_size)
+        self._buf = torch.empty(0, self.vocab_size, dtype=torch.float32)
 
     def logits(self, rid: I64, out_pos: I64, preferred: I64, tempt: I64) -> torch.Tensor:
-        """``(rows, V)`` fp32 logits; ``tempt < 0`` means no temptation on that row."""
+        """``(rows, V)`` fp32 logits; ``tempt < 0`` means no temptation on that row.
+
+        The result is a view of a buffer the next call overwrites.
+        """
         rows = rid.shape[0]
         pick = (hash64(self.seed, Streams.BANK_ROW, rid, out_pos) % np.uint64(self.bank.shape[0])).astype(np.int64)
-        # Stacking row views copies faster than index_select on the CPU.
+        # One buffer reused across steps: a fresh multi-megabyte tensor per step
+        # costs more in page faults than the copy itself.
+        if self._buf.shape[0] < rows:
+            self._buf = torch.empty(max(rows, 2 * self._buf.shape[0]), self.vocab_size, dtype=torch.float32)
+        out = self._buf[:rows]
         bank = self.bank
-        out = torch.stack([bank[i] for i in pick.tolist()]) if rows else bank[:0].clone()
+        for i, j in enumerate(pick.tolist()):  # row copies beat index_select here
+            out[i].copy_(bank[j])
         ar = torch.arange(rows)
         out[ar, torch.from_numpy(preferred)] += self.margin
         has = tempt >= 0
