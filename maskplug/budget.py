@@ -255,7 +255,8 @@ def choose_budget(
     if grammar is not None:
         conf = grammar_confidences(conf, layout, grammar)
     s = survival(conf, layout.num_drafts)
-    top = -np.sort(-s.ravel(), kind="stable")[:cap]
+    # Only the sorted values matter (their sum), so an unstable sort is fine and several times faster.
+    top = np.sort(s.ravel())[::-1][:cap]
     est = np.empty(cap + 1, dtype=np.float64)
     est[0] = float(num_sampling)
     np.cumsum(top, out=est[1:])
