@@ -30,8 +30,8 @@ def _require(backend: str) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_random_steps_match_reference(backend: str, dtype: torch.dtype) -> None:
     _require(backend)
-    for seed in range(60):
-        check(make_case(seed, dtype=dtype, max_width=5000, max_requests=8), backend, "cuda")
+    for seed in range(40):
+        check(make_case(seed, dtype=dtype, max_width=3000, max_requests=8), backend, "cuda")
 
 
 def _dense_oracle(logits: torch.Tensor, bm: np.ndarray, dst: np.ndarray, vocab: int, tail: bool) -> torch.Tensor:
