@@ -214,8 +214,8 @@ def run_bench(quick: bool = False, as_json: bool = False, progress: bool = True)
     jobs: list[tuple[str, Callable[[], list[BenchRow]]]] = []
     for n in (8, 64) if quick else (8, 64, 256, 1024):
         jobs.append((f"host path n={n}", lambda n=n: _host_path(n, repeat)))  # type: ignore[misc]
-    for rows, vocab in ((8, 32000),) if quick else ((8, 131072), (64, 131072)):
-        jobs.append((f"apply {rows}x{vocab}", lambda r=rows, v=vocab: _apply(r, v, repeat)))  # type: ignore[misc]
+    for nrows, vocab in ((8, 32000),) if quick else ((8, 131072), (64, 131072)):
+        jobs.append((f"apply {nrows}x{vocab}", lambda r=nrows, v=vocab: _apply(r, v, repeat)))  # type: ignore[misc]
     if quick:
         jobs.append(("draft rows", lambda: _draft_rows("spm", 8, 3, repeat)))
     else:
