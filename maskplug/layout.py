@@ -7,7 +7,7 @@ the **scheduled** layout only. Compaction never rewrites it; the active layout
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +47,42 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+def _id_list(name: str, ids: Any) -> list[Any]:
+    """Request ids as a Python list of hashable values.
+
+    Ids are matched with a dict, not by sorting a numpy array: converting a
+    list of strings to a numpy array costs more than the whole lookup, and a
+    dict keeps ``"1"`` and ``1`` apart where a numpy array would not.
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise LayoutError(f"{name}: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        return ids.tolist()  # type: ignore[no-any-return]
+    if hasattr(ids, "device"):  # a tensor: ids are host data
+        if str(ids.device) != "cpu" or ids.ndim != 1:
+            raise LayoutError(f"{name}: expected a 1-D host sequence of request ids, got {ids.ndim}-D on {ids.device}")
+        return ids.tolist()  # type: ignore[no-any-return]
+    try:
+        out = list(ids)
+    except TypeError as exc:
+        raise LayoutError(f"{name}: expected a 1-D sequence of request ids, got {type(ids).__name__}") from exc
+    return out
+
+
+def _first_duplicate(ids: list[Any]) -> Any:
+    seen: set[Any] = set()
+    for x in ids:
+        if x in seen:
+            return x
+        seen.add(x)
+    return None  # pragma: no cover - only called when a duplicate exists
+
+
+def _unhashable(name: str, ids: list[Any], exc: TypeError) -> LayoutError:
+    bad = next((x for x in ids if not isinstance(x, Hashable)), None)
+    return LayoutError(f"{name}: expected a 1-D sequence of hashable request ids, got {type(bad).__name__} {bad!r}")
+
+
 class ScheduledLayout:
     """What the scheduler scheduled this step, in batch order.
 
@@ -59,7 +95,16 @@ class ScheduledLayout:
         num_bonus: logits rows every request gets besides its drafts.
     """
 
-    __slots__ = ("_ids", "_order", "cu_scheduled", "num_bonus", "num_drafts", "num_non_draft", "req_ids")
+    __slots__ = (
+        "_ids",
+        "_index",
+        "_req_ids",
+        "cu_scheduled",
+        "num_bonus",
+        "num_drafts",
+        "num_non_draft",
+        "total_drafts",
+    )
 
     def __init__(
         self,
@@ -68,40 +113,43 @@ class ScheduledLayout:
         num_non_draft: Sequence[int] | npt.NDArray[Any],
         num_bonus: int = 1,
     ) -> None:
-        ids = np.asarray(req_ids)
-        if ids.ndim != 1:
-            raise LayoutError(f"req_ids: expected a 1-D sequence, got shape {ids.shape}")
-        n = int(ids.shape[0])
+        ids = _id_list("req_ids", req_ids)
+        n = len(ids)
+        try:
+            index = dict(zip(ids, range(n), strict=True))
+        except TypeError as exc:
+            raise _unhashable("req_ids", ids, exc) from exc
+        if len(index) != n:
+            raise LayoutError(f"req_ids: expected unique ids, got {_plain(_first_duplicate(ids))!r} twice")
         self.num_drafts = _as_counts("num_drafts", num_drafts, n)
         self.num_non_draft = _as_counts("num_non_draft", num_non_draft, n)
         if isinstance(num_bonus, bool) or not isinstance(num_bonus, (int, np.integer)) or num_bonus < 0:
             raise LayoutError(f"num_bonus: expected an int >= 0, got {num_bonus!r}")
         self.num_bonus = int(num_bonus)
-        try:
-            order = np.argsort(ids, kind="stable")
-        except TypeError as exc:
-            raise LayoutError(f"req_ids: expected ids of one comparable type, got {ids.dtype}") from exc
-        sorted_ids = ids[order]
-        if n > 1:
-            dup = sorted_ids[1:] == sorted_ids[:-1]
-            if np.any(dup):
-                raise LayoutError(f"req_ids: expected unique ids, got {sorted_ids[1:][dup][0]!r} twice")
-        self.req_ids = ids
-        self._order = order
-        self._ids = sorted_ids
+        self._ids = ids
+        self._index = index
+        self._req_ids: npt.NDArray[Any] | None = req_ids if isinstance(req_ids, np.ndarray) else None
+        #: Drafts scheduled this step, ``Σ num_drafts``: the largest budget.
+        self.total_drafts = int(self.num_drafts.sum())
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self.num_drafts + self.num_bonus, out=cu[1:])
         self.cu_scheduled = cu
 
     @property
-    def n(self) -> int:
-        """Number of requests in the batch."""
-        return int(self.req_ids.shape[0])
+    def req_ids(self) -> npt.NDArray[Any]:
+        """The request ids in batch order, as a 1-D numpy array (built on first use)."""
+        if self._req_ids is None:
+            arr = np.asarray(self._ids)
+            if arr.ndim != 1:  # e.g. tuple ids: keep one object per request
+                arr = np.empty(len(self._ids), dtype=object)
+                arr[:] = self._ids
+            self._req_ids = arr
+        return self._req_ids
 
     @property
-    def total_drafts(self) -> int:
-        """Drafts scheduled this step, ``Σ num_drafts``: the largest budget."""
-        return int(self.num_drafts.sum())
+    def n(self) -> int:
+        """Number of requests in the batch."""
+        return len(self._ids)
 
     @property
     def num_tokens(self) -> int:
@@ -113,26 +161,17 @@ class ScheduledLayout:
         return int(self.indices_of([req_id])[0])
 
     def indices_of(self, req_ids: Sequence[Any] | npt.NDArray[Any], arg: str = "req_ids") -> IntArray:
-        """Batch indices of many request ids at once (vectorised)."""
-        q = np.asarray(req_ids)
-        if q.ndim != 1:
-            raise LayoutError(f"{arg}: expected a 1-D sequence of request ids, got shape {q.shape}")
-        if q.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if self.n == 0:
-            raise LayoutError(f"{arg}: expected ids of the layout, got {_plain(q[0])!r} (the batch is empty)")
+        """Batch indices of many request ids at once; :class:`LayoutError` names the first unknown one."""
+        q = _id_list(arg, req_ids)
         try:
-            pos = np.searchsorted(self._ids, q)
-        except TypeError as exc:
+            return np.fromiter(map(self._index.__getitem__, q), dtype=np.int64, count=len(q))
+        except KeyError as exc:
+            empty = " (the batch is empty)" if self.n == 0 else ""
             raise LayoutError(
-                f"{arg}: expected ids comparable with req_ids ({self._ids.dtype}), got {q.dtype}"
-            ) from exc
-        pos = np.minimum(pos, self.n - 1)
-        found = self._ids[pos] == q
-        if not np.all(found):
-            bad = q[~np.asarray(found, dtype=bool)][0]
-            raise LayoutError(f"{arg}: expected ids of the layout, got unknown request id {_plain(bad)!r}")
-        return self._order[pos].astype(np.int64)
+                f"{arg}: expected ids of the layout, got unknown request id {_plain(exc.args[0])!r}{empty}"
+            ) from None
+        except TypeError as exc:
+            raise _unhashable(arg, q, exc) from exc
 
     def __repr__(self) -> str:
         return f"ScheduledLayout(n={self.n}, num_drafts={self.num_drafts.tolist()}, num_bonus={self.num_bonus})"
@@ -193,25 +232,34 @@ class GrammarRows:
             raise LayoutError(
                 f"stride: expected None in ragged mode (a stride is only meaningful in fixed mode), got {stride!r}"
             )
-        ids = np.asarray(grammar_req_ids)
-        if ids.ndim != 1:
-            raise LayoutError(f"grammar_req_ids: expected a 1-D sequence, got shape {ids.shape}")
-        if ids.size > 1:
-            s = np.sort(ids)
-            dup = s[1:] == s[:-1]
-            if np.any(dup):
-                raise LayoutError(f"grammar_req_ids: expected unique ids, got {s[1:][dup][0]!r} twice")
-        self.grammar_req_ids = ids
+        ids = _id_list("grammar_req_ids", grammar_req_ids)
+        try:
+            unique = len(set(ids)) == len(ids)
+        except TypeError as exc:
+            raise _unhashable("grammar_req_ids", ids, exc) from exc
+        if not unique:
+            raise LayoutError(f"grammar_req_ids: expected unique ids, got {_plain(_first_duplicate(ids))!r} twice")
+        self._ids = ids
+        self._arr: npt.NDArray[Any] | None = grammar_req_ids if isinstance(grammar_req_ids, np.ndarray) else None
         self.mode = mode
         self.stride = None if stride is None else int(stride)
 
+    @property
+    def grammar_req_ids(self) -> npt.NDArray[Any]:
+        """The grammar requests in producer order, as a 1-D numpy array (built on first use)."""
+        if self._arr is None:
+            arr = np.asarray(self._ids)
+            if arr.ndim != 1:  # e.g. tuple ids: keep one object per request
+                arr = np.empty(len(self._ids), dtype=object)
+                arr[:] = self._ids
+            self._arr = arr
+        return self._arr
+
     def batch_indices(self, layout: ScheduledLayout) -> IntArray:
         """Batch index of each grammar request, in grammar order."""
-        return layout.indices_of(self.grammar_req_ids, "grammar_req_ids")
+        return layout.indices_of(self._ids, "grammar_req_ids")
 
-    def rows_per_request(self, layout: ScheduledLayout) -> IntArray:
-        """Rows the producer emits per grammar request, in grammar order."""
-        idx = self.batch_indices(layout)
+    def _rows(self, layout: ScheduledLayout, idx: IntArray) -> IntArray:
         need = layout.num_drafts[idx] + layout.num_bonus
         if self.mode == "ragged":
             return need
@@ -220,9 +268,13 @@ class GrammarRows:
             g = int(np.argmax(need > self.stride))
             raise LayoutError(
                 f"stride: expected >= num_drafts + num_bonus of every grammar request, got stride "
-                f"{self.stride} but request {self.grammar_req_ids[g]!r} needs {int(need[g])} rows"
+                f"{self.stride} but request {_plain(self._ids[g])!r} needs {int(need[g])} rows"
             )
         return np.full(idx.shape[0], self.stride, dtype=np.int64)
+
+    def rows_per_request(self, layout: ScheduledLayout) -> IntArray:
+        """Rows the producer emits per grammar request, in grammar order."""
+        return self._rows(layout, self.batch_indices(layout))
 
     def num_rows(self, layout: ScheduledLayout) -> int:
         """Bitmask rows the producer emits for this layout."""
@@ -231,20 +283,19 @@ class GrammarRows:
     def mapping(self, layout: ScheduledLayout) -> RowMapping:
         """Row → (request, position), built from the scheduled layout only (vectorised)."""
         idx = self.batch_indices(layout)
-        per = self.rows_per_request(layout)
+        per = self._rows(layout, idx)
         total = int(per.sum())
-        starts = np.zeros(per.shape[0], dtype=np.int64)
+        # Each row's position is its index minus the first row of its request.
+        starts = np.zeros(per.shape[0], dtype=np.int32)
         if per.shape[0] > 1:
             np.cumsum(per[:-1], out=starts[1:])
-        owner = np.repeat(np.arange(per.shape[0]), per)
-        position = np.arange(total, dtype=np.int64) - starts[owner]
-        request = idx[owner]
+        request = np.repeat(idx.astype(np.int32), per)
+        position = np.arange(total, dtype=np.int32) - np.repeat(starts, per)
         if self.mode == "fixed":
-            used = layout.num_drafts[request] + layout.num_bonus
-            unused = position >= used
-            request = np.where(unused, -1, request)
-            position = np.where(unused, -1, position)
-        return RowMapping(request.astype(np.int32), position.astype(np.int32))
+            unused = position >= np.repeat((layout.num_drafts[idx] + layout.num_bonus).astype(np.int32), per)
+            request[unused] = -1
+            position[unused] = -1
+        return RowMapping(request, position)
 
     def __repr__(self) -> str:
         return f"GrammarRows({self.grammar_req_ids.tolist()!r}, mode={self.mode!r}, stride={self.stride})"
