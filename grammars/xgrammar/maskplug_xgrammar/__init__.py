@@ -95,8 +95,9 @@ class XGrammarMatcher(MatcherBase):
     def _rollback(self, n: int) -> None:
         self.raw.rollback(n)
 
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.raw.fill_next_token_bitmask(bitmask, row)
+    def _fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        # xgrammar returns whether the row restricts anything ("need apply").
+        return bool(self.raw.fill_next_token_bitmask(bitmask, row))
 
     def _is_complete(self) -> bool:
         return bool(self.raw.is_completed())
