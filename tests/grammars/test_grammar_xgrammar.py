@@ -1,0 +1,102 @@
+"""xgrammar's raw behaviour next to maskplug's wrapping of it: each difference the wrapper hides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grammar_testkit import allowed_ids, vocab
+
+from maskplug import GrammarError, GrammarSpec, grammar_provider, grammar_providers
+
+xgr = pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.skipif("xgrammar" not in grammar_providers(), reason="maskplug-xgrammar is not installed")
+
+
+def _ids(v, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """Single-byte tokens spelling ``text`` (always present in both vocabularies)."""
+    out = []
+    for b in text.encode():
+        out.append(next(i for i, t in enumerate(v.tokens) if t == bytes([b]) and i not in v.special_ids))
+    return out
+
+
+def test_raw_xgrammar_treats_literal_special_text_as_grammar_text() -> None:
+    # Handing xgrammar the special tokens' literal text lets a grammar allow "</s>" the control token.
+    v = vocab("tekken")
+    raw_info = xgr.TokenizerInfo(v.tokens, xgr.VocabType.RAW, vocab_size=v.vocab_size, stop_token_ids=[2])
+    raw = xgr.GrammarMatcher(xgr.GrammarCompiler(raw_info).compile_regex(r"\[INST\]"))
+    bm = v.new_bitmask(1)
+    raw.fill_next_token_bitmask(bm, 0)
+    assert 3 in allowed_ids(bm[0], v.vocab_size)  # id 3 is [INST]
+    m = grammar_provider("xgrammar", v).compile(GrammarSpec("regex", r"\[INST\]")).matcher()
+    m.fill(bm, 0)
+    assert 3 not in allowed_ids(bm[0], v.vocab_size)
+    assert not m.accept(3)
+    assert all(m.accept(t) for t in _ids(v, "[INST]"))
+
+
+def test_raw_rollback_and_wrapper_rollback_agree_on_the_stop_token() -> None:
+    v = vocab("spm")
+    p = grammar_provider("xgrammar", v)
+    c = p.compile(GrammarSpec("regex", "ab"))
+    m = c.matcher()
+    for t in _ids(v, "ab"):
+        assert m.accept(t)
+    assert m.accept(2) and m.is_terminated()
+    m.rollback(2)  # the stop token and "b"
+    assert not m.is_terminated()
+    assert m.validate([*_ids(v, "b"), 2]) == 2
+    # The raw engine after a stop token: no more tokens, and a fill of only stop tokens.
+    raw = xgr.GrammarMatcher(c.raw)
+    for t in _ids(v, "ab"):
+        assert raw.accept_token(t)
+    assert raw.accept_token(2) and raw.is_terminated()
+
+
+def test_raw_errors_are_runtime_errors_wrapper_raises_grammar_error() -> None:
+    v = vocab("spm")
+    c = grammar_provider("xgrammar", v).compile(GrammarSpec("regex", "ab"))
+    wide = torch.zeros(1, v.mask_words + 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError):
+        xgr.GrammarMatcher(c.raw).fill_next_token_bitmask(wide, 0)
+    with pytest.raises(GrammarError, match="words per row"):
+        c.matcher().fill(wide, 0)
+    assert (wide == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("spec", "text"),
+    [
+        (GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+         '{"a": 12}'),
+        (GrammarSpec("json_object"), '{"k": [1, "x", null]}'),
+        (GrammarSpec("regex", r"[0-9]{3}-[a-z]+;"), "123-abc;"),
+        (GrammarSpec("ebnf", 'root ::= "x" num "."\nnum ::= [0-9]+'), "x42."),
+        (GrammarSpec("lark", 'start: "hi" NAME "!"\nNAME: /[a-z]+/'), "hibob!"),
+        (GrammarSpec("choice", ['say "yes"', "naïve", "🚀"]), "naïve"),
+    ],
+)  # fmt: skip
+def test_every_kind_compiles_and_accepts_a_document(spec: GrammarSpec, text: str) -> None:
+    v = vocab("spm")
+    m = grammar_provider("xgrammar", v).compile(spec).matcher()
+    toks = _ids(v, text)
+    assert m.validate([*toks, 2]) == len(toks) + 1
+    assert m.validate([*_ids(v, text[:-1]), 2]) == len(text.encode()) - 1  # one character short: no stop yet
+
+
+def test_bad_specs() -> None:
+    p = grammar_provider("xgrammar", vocab("spm"))
+    cases = [
+        (GrammarSpec("json_schema", "{bad"), "not JSON"),
+        (GrammarSpec("json_schema", {"type": "strin"}), "strin"),
+        (GrammarSpec("json_schema", 5), "dict or str"),
+        (GrammarSpec("regex", "(a"), "parenthesis"),
+        (GrammarSpec("ebnf", "root ::= undefined_rule"), "undefined_rule"),
+        (GrammarSpec("choice", []), "non-empty"),
+        (GrammarSpec("choice", "ab"), "list of strings"),
+        (GrammarSpec("regex", None), "str"),
+    ]
+    for spec, reason in cases:
+        with pytest.raises(GrammarError, match=reason):
+            p.compile(spec)
+        assert spec not in p.cache  # type: ignore[attr-defined]
