@@ -110,3 +110,28 @@ def test_custom_op_under_torch_compile() -> None:
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     got = compiled(case.logits.contiguous(), case.bitmask)
     assert torch.equal(int_view(got), int_view(expected(case)))
+
+
+def test_benchmark_peer_kernel_is_correct() -> None:
+    """The vLLM-style per-row kernel that ``benchmarks/gpu_bench.py`` times must mask correctly too."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("maskplug_gpu_bench_interp", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    kern = bench._vllm_style_kernel()
+    rng = np.random.default_rng(9)
+    for kind in ("dense", "half", "sparse"):
+        rows, vocab, block = 3, 3000, 1024
+        bm = bench.make_bitmask(rng, rows, vocab, kind, 40)
+        logits = torch.randn(rows, vocab)
+        want = bench.dense_oracle(logits, bm, np.arange(rows), vocab)
+        index = torch.arange(rows, dtype=torch.int32)
+        bmt = torch.from_numpy(bm)
+        kern[(rows, -(-vocab // block))](logits, logits.stride(0), bmt, bmt.stride(0), index, vocab, BLOCK=block)
+        assert torch.equal(int_view(logits), int_view(want)), kind
