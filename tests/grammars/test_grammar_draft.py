@@ -237,3 +237,29 @@ def test_commit_stops_at_termination_and_refusal(provider: str) -> None:
     with pytest.raises(GrammarError, match="tokens"):
         commit(m2, [word, v.vocab_size + 3])
     assert commit(m2, [word]) == 1  # the failed call took nothing
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_reasoning_gate_switches_inside_the_window(provider: str) -> None:
+    v = vocab("spm")
+    c = compiled(provider, "spm", GrammarSpec("regex", r"[0-9]+"))
+    m = c.matcher()
+    digit = next(i for i, t in enumerate(v.tokens) if t == b"7")
+    letter = next(i for i, t in enumerate(v.tokens) if t == b"x")
+    first = v.new_bitmask(1)
+    m.fill(first, 0)
+    # Drafts 0-1 are reasoning text (a letter the grammar would refuse), the grammar starts at 2.
+    drafts = [[letter, letter, digit, digit, letter]]
+    layout = ScheduledLayout(["r"], [5], [1])
+    bitmask = v.new_bitmask(6)
+    out = fill_draft_masks([m], drafts, bitmask, GrammarRows(["r"]), layout, active_from=[2])
+    assert (bitmask[0:2] == -1).all()
+    assert torch.equal(bitmask[2], first[0])
+    assert letter not in allowed_ids(bitmask[3], v.vocab_size) and digit in allowed_ids(bitmask[3], v.vocab_size)
+    assert v.eos_ids[0] in allowed_ids(bitmask[4], v.vocab_size)  # "77" is complete
+    assert (bitmask[5] == -1).all()  # after the refused letter at draft 4
+    assert out.acceptable.tolist() == [4]
+    # A gate past the window: nothing is constrained and every draft counts as acceptable.
+    out = fill_draft_masks([m], drafts, bitmask, GrammarRows(["r"]), layout, active_from=[9])
+    assert (bitmask == -1).all() and out.acceptable.tolist() == [5] and not out.forced.any()
+    assert state_of(m, v, [digit]) == state_of(c.matcher(), v, [digit])
