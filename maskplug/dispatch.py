@@ -131,7 +131,9 @@ class _Staging(threading.local):
         host.numpy()[:] = arr
         out = host.to(device, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        # The copy was queued on the target device's current stream, which is not
+        # the current device's stream when logits live on another GPU.
+        event.record(torch.cuda.current_stream(device))
         ring[slot] = (buf, event)
         return out
 
