@@ -300,8 +300,7 @@ def test_plan_driven_model_matches_reference(seed: int, dtype: torch.dtype, num_
 def test_registered_with_highest_priority() -> None:
     reg = maskplug.get_registry()
     assert reg.kernels.get("cupy") is BACKEND
-    others = [be.priority for name, be in reg.kernels.items() if name != "cupy"]
-    assert all(BACKEND.priority > p for p in others)
+    assert BACKEND.priority > reg.kernels["triton"].priority > reg.kernels["torch"].priority
 
 
 def test_unavailable_reasons_are_precise() -> None:
