@@ -84,7 +84,7 @@ def step_rows(
     if missing.size:
         if grammar_num_drafts is None:
             raise LayoutError(
-                f"grammar_req_ids: request {missing[0]!r} is not in the batch and its drafts are unknown "
+                f"grammar_req_ids: request {missing[0].item()!r} is not in the batch and its drafts are unknown "
                 "(pass grammar_num_drafts)"
             )
         ids = np.concatenate([ids, missing]) if n else missing

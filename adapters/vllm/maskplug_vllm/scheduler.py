@@ -12,9 +12,7 @@ Two methods of vLLM's manager are wrapped (see :mod:`maskplug_vllm.patches`):
 
 Steps this producer does not cover fall back to vLLM's own loop, which drives
 the same maskplug grammars through vLLM's grammar interface: a reasoning
-parser that gates the grammar inside the draft window, diffusion models, and
-vocabularies with no token a grammar always refuses (needed to stand in for
-vLLM's ``-1`` draft padding).
+parser that gates the grammar inside the draft window, and diffusion models.
 """
 
 from __future__ import annotations
@@ -27,25 +25,18 @@ import numpy as np
 import torch
 
 from maskplug import GrammarRows, ScheduledLayout
-from maskplug.grammar import Vocab, fill_draft_masks
+from maskplug.grammar import fill_draft_masks
 
 from .backend import MaskplugBackend, provider_for
 from .host import draft_counts
 
-__all__ = ["fill_step_bitmask", "make_grammar_bitmask", "make_grammar_init", "refused_token"]
+__all__ = ["fill_step_bitmask", "make_grammar_bitmask", "make_grammar_init"]
 
 
-def refused_token(vocab: Vocab) -> int | None:
-    """A token id no grammar ever accepts (a padding id, else a non-stop control token), or ``None``.
-
-    vLLM pads rejected or missing drafts with ``-1``; its producer constrains
-    the row at the first ``-1`` and leaves the later rows open, which is
-    exactly what :func:`maskplug.fill_draft_masks` does at a refused draft.
-    """
-    if vocab.vocab_size > len(vocab.tokens):
-        return len(vocab.tokens)
-    controls = sorted(vocab.special_ids - set(vocab.eos_ids))
-    return controls[0] if controls else None
+def _cu(counts: np.ndarray) -> np.ndarray:
+    cu = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=cu[1:])
+    return cu
 
 
 def fill_step_bitmask(
@@ -53,24 +44,44 @@ def fill_step_bitmask(
     grammars: list[Any],
     grammar_req_ids: list[str],
     spec_tokens: dict[str, list[int]],
-    refuse: int,
 ) -> int:
     """Fill the rows of one step into ``bitmask``; returns how many rows were written.
 
     ``grammars`` are the requests' :class:`~maskplug_vllm.backend.MaskplugGrammar`
-    objects in ``grammar_req_ids`` order.
+    objects in ``grammar_req_ids`` order. Each request gets ``len(drafts) + 1``
+    rows. vLLM pads missing drafts with ``-1``; its rows up to the first ``-1``
+    are constrained and the rest are open. maskplug produces that by filling
+    the window cut at the first ``-1`` (its last row is the cut window's
+    always-constrained bonus row) and leaving the rows after it all-allowed.
     """
+    g = len(grammar_req_ids)
     nd = draft_counts(grammar_req_ids, spec_tokens)
-    layout = ScheduledLayout(grammar_req_ids, nd, np.ones(len(grammar_req_ids), dtype=np.int64), num_bonus=1)
-    rows = GrammarRows(grammar_req_ids)
     flat = np.fromiter(
         itertools.chain.from_iterable(spec_tokens.get(r, ()) for r in grammar_req_ids),
         dtype=np.int64,
         count=int(nd.sum()),
     )
-    flat[flat < 0] = refuse
-    fill_draft_masks([g.matcher for g in grammars], flat, bitmask, rows, layout)
-    return rows.num_rows(layout)
+    ones = np.ones(g, dtype=np.int64)
+    rows = GrammarRows(grammar_req_ids)
+    matchers = [gr.matcher for gr in grammars]
+    total = int(nd.sum()) + g
+    pad = flat < 0
+    if not pad.any():
+        fill_draft_masks(matchers, flat, bitmask, rows, ScheduledLayout(grammar_req_ids, nd, ones))
+        return total
+    owner = np.repeat(np.arange(g), nd)
+    pos = np.arange(flat.shape[0]) - _cu(nd)[owner]
+    cut = nd.copy()
+    np.minimum.at(cut, owner[pad], pos[pad])
+    keep = pos < cut[owner]
+    scratch = torch.empty((int(cut.sum()) + g, bitmask.shape[1]), dtype=torch.int32)
+    fill_draft_masks(matchers, flat[keep], scratch, rows, ScheduledLayout(grammar_req_ids, cut, ones))
+    # Move the cut windows' rows to their places in the full windows; the rest stay open.
+    src_owner = np.repeat(np.arange(g), cut + 1)
+    dest = _cu(nd + 1)[src_owner] + np.arange(scratch.shape[0]) - _cu(cut + 1)[src_owner]
+    bitmask[:total].fill_(-1)
+    bitmask.index_copy_(0, torch.from_numpy(dest), scratch)
+    return total
 
 
 def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,8 +116,7 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
-        refuse = refused_token(backend.vocab)
-        if reasoning_gate or refuse is None or self.vllm_config.model_config.is_diffusion:
+        if reasoning_gate or self.vllm_config.model_config.is_diffusion:
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         ids = list(structured_output_request_ids)
         need = len(ids) + sum(len(scheduled_spec_decode_tokens.get(r, ())) for r in ids)
@@ -114,7 +124,7 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
             self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
         grammars = [requests[r].structured_output_request.grammar for r in ids]
-        total = fill_step_bitmask(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, refuse)
+        total = fill_step_bitmask(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens)
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
         return self._grammar_bitmask[:total].numpy()
 

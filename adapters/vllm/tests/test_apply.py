@@ -1,0 +1,164 @@
+"""Both places vLLM 0.32 applies grammar masks, with maskplug in them, against vLLM and the oracle.
+
+* The CPU model runner's path: vLLM's own ``apply_grammar_bitmask`` (scatter
+  into a full-size buffer, then xgrammar's CPU kernel) is run unmodified on the
+  same random batches as :func:`maskplug_vllm.worker.apply_scatter`; the
+  logits must come out bit for bit the same.
+* The newer runner's ``StructuredOutputsWorker``: vLLM's kernel is Triton
+  and needs a GPU, so its rule (mask row ``i`` → ``(m // stride, m % stride)``
+  from ``_build_grammar_mapping``, applied iff the position is below the
+  request's row count in the device ``cu_num_logits``) is run through
+  :func:`maskplug.reference.apply_grammar_bitmask`, on random compacted
+  batches in every budget regime.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from maskplug_vllm import patches
+from maskplug_vllm.worker import apply_compacted, apply_scatter
+from vllm.v1.core.sched.output import GrammarOutput
+from vllm.v1.structured_output import utils as so_utils
+from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker, _build_grammar_mapping
+
+from maskplug import LayoutError, reference
+
+MAX_DRAFTS = 3
+
+
+def _random_bitmask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
+    bm = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    # Some rows all-allowed, some nearly empty: both ends of what grammars produce.
+    bm[rng.random(rows) < 0.2] = -1
+    sparse = rng.random(rows) < 0.2
+    bm[sparse] &= rng.integers(0, 2**31, size=(int(sparse.sum()), words), dtype=np.int64).astype(np.int32) & 0x11
+    return bm
+
+
+def _scatter_case(rng: np.random.Generator) -> tuple[SimpleNamespace, GrammarOutput, SimpleNamespace, torch.Tensor]:
+    n = int(rng.integers(1, 12))
+    ids = [f"r{i}" for i in rng.permutation(3 * n)[:n]]
+    spec: dict[str, list[int]] = {}
+    for r in ids:
+        k = int(rng.integers(0, MAX_DRAFTS + 1))
+        if k:
+            toks = rng.integers(0, 100, size=k).tolist()
+            if rng.random() < 0.2:  # vLLM pads missing drafts with -1
+                toks[int(rng.integers(0, k)) :] = [-1] * (k - int(rng.integers(0, k)))
+            spec[r] = toks
+    gids = [ids[i] for i in rng.permutation(n)[: int(rng.integers(1, n + 1))]]
+    if rng.random() < 0.2:
+        # A grammar request the worker's batch does not hold: its rows are skipped.
+        gids.insert(int(rng.integers(0, len(gids) + 1)), "absent")
+        spec["absent"] = [0] * int(rng.integers(0, MAX_DRAFTS + 1))
+    vocab = int(rng.integers(33, 400))
+    words = (vocab + 31) // 32
+    rows = sum(1 + len(spec.get(r, ())) for r in gids)
+    bitmask = _random_bitmask(rng, rows, words)
+    dtype = [torch.float32, torch.bfloat16, torch.float16][int(rng.integers(0, 3))]
+    logits = torch.from_numpy(rng.standard_normal((n + sum(len(spec.get(r, ())) for r in ids), vocab))).to(dtype)
+    return (
+        SimpleNamespace(scheduled_spec_decode_tokens=spec),
+        GrammarOutput(gids, bitmask),
+        SimpleNamespace(req_ids=ids),
+        logits,
+    )
+
+
+def test_scatter_path_matches_vllm_bit_for_bit() -> None:
+    rng = np.random.default_rng(11)
+    vllm_apply = patches.original(so_utils, "apply_grammar_bitmask")
+    masked = 0
+    for _ in range(400):
+        sched, grammar, batch, logits = _scatter_case(rng)
+        theirs, ours = logits.clone(), logits.clone()
+        vllm_apply(sched, grammar, batch, theirs)
+        apply_scatter(sched, grammar, batch, ours)
+        assert torch.equal(theirs, ours)
+        masked += bool(torch.isinf(ours).any())
+    assert masked > 300  # the comparison is not between two untouched tensors
+
+
+def _compacted_case(
+    rng: np.random.Generator, regime: str
+) -> tuple[SimpleNamespace, SimpleNamespace, list[str], np.ndarray, torch.Tensor, int]:
+    n = int(rng.integers(1, 12))
+    num_bonus = int(rng.integers(1, 3))
+    ids = [f"q{i}" for i in rng.permutation(3 * n)[:n]]
+    nd = rng.integers(0, MAX_DRAFTS + 1, size=n)
+    cap = {"full": nd, "zero": np.zeros_like(nd), "partial": rng.integers(0, nd + 1)}[regime]
+    cu = np.concatenate([[0], np.cumsum(cap + num_bonus)]).astype(np.int32)
+    gids = [ids[i] for i in rng.permutation(n)[: int(rng.integers(1, n + 1))]]
+    vocab = int(rng.integers(33, 300))
+    bitmask = _random_bitmask(rng, int(sum(nd[ids.index(g)] + num_bonus for g in gids)), (vocab + 31) // 32)
+    # The scheduled layout's cu_num_logits_np stays the host upper bound (vLLM's compact_batch).
+    batch = SimpleNamespace(
+        req_ids=ids,
+        num_reqs=n,
+        num_draft_tokens_per_req=nd.astype(np.int32),
+        cu_num_logits=torch.from_numpy(cu),
+        cu_num_logits_np=np.concatenate([[0], np.cumsum(nd + num_bonus)]).astype(np.int32),
+    )
+    worker = SimpleNamespace(num_bonus_tokens=num_bonus, mask_stride=MAX_DRAFTS + num_bonus, grammar_bitmask=None)
+    logits = torch.from_numpy(rng.standard_normal((int(cu[-1]), vocab))).to(torch.float32)
+    return worker, batch, gids, bitmask, logits, num_bonus
+
+
+@pytest.mark.parametrize("regime", ["full", "partial", "zero"])
+def test_compacted_path_matches_vllm_kernel_rule(regime: str) -> None:
+    rng = np.random.default_rng({"full": 12, "partial": 13, "zero": 14}[regime])
+    for _ in range(300):
+        worker, batch, gids, bitmask, logits, num_bonus = _compacted_case(rng, regime)
+        stride = worker.mask_stride
+        flat = np.asarray(
+            _build_grammar_mapping(
+                batch.req_ids, gids, batch.cu_num_logits_np, batch.num_draft_tokens_per_req, num_bonus, stride
+            ),
+            dtype=np.int64,
+        )
+        want = logits.clone()
+        vllm_rows = ((flat // stride).astype(np.int32), (flat % stride).astype(np.int32))
+        reference.apply_grammar_bitmask(want, torch.from_numpy(bitmask), vllm_rows, batch.cu_num_logits.numpy())
+        got = logits.clone()
+        apply_compacted(worker, got, batch, gids, bitmask)
+        assert torch.equal(got, want)
+
+
+def test_compacted_path_refuses_a_grammar_request_missing_from_the_batch() -> None:
+    worker = SimpleNamespace(num_bonus_tokens=1, grammar_bitmask=None)
+    batch = SimpleNamespace(
+        req_ids=["a"],
+        num_draft_tokens_per_req=np.array([1], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 2], dtype=torch.int32),
+        cu_num_logits_np=np.array([0, 2], dtype=np.int32),
+    )
+    logits = torch.zeros(2, 64)
+    with pytest.raises(LayoutError, match="'b' is not in the batch"):
+        apply_compacted(worker, logits, batch, ["a", "b"], np.zeros((4, 2), dtype=np.int32))
+    assert bool((logits == 0).all())
+
+
+def test_patched_entry_points_route_to_maskplug(patched: object) -> None:
+    """With the patches installed, vLLM's names resolve to maskplug's implementations."""
+    assert so_utils.apply_grammar_bitmask is apply_scatter
+    method = StructuredOutputsWorker.apply_grammar_bitmask
+    assert method.__wrapped__ is apply_compacted
+    worker = object.__new__(StructuredOutputsWorker)
+    worker.num_bonus_tokens = 1
+    worker.grammar_bitmask = torch.zeros(8, 1, dtype=torch.int32)
+    batch = SimpleNamespace(
+        req_ids=["a", "b"],
+        num_draft_tokens_per_req=np.array([2, 0], dtype=np.int32),
+        cu_num_logits=torch.tensor([0, 1, 2], dtype=torch.int32),  # budget 0: bonus rows only
+        cu_num_logits_np=np.array([0, 3, 4], dtype=np.int32),
+    )
+    logits = torch.zeros(2, 32)
+    # Three rows for "a" (2 drafts + bonus) and one for "b": only each bonus/position-0 row is live.
+    bitmask = np.array([[1], [2], [4], [8]], dtype=np.int32)
+    worker.apply_grammar_bitmask(logits, batch, ["a", "b"], bitmask)
+    assert torch.isfinite(logits[0]).tolist() == [c == 0 for c in range(32)]
+    assert torch.isfinite(logits[1]).tolist() == [c == 3 for c in range(32)]

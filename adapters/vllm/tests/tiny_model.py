@@ -1,0 +1,105 @@
+"""A tiny Llama model folder, built offline for the engine tests.
+
+A byte-level BPE tokenizer is trained here on text generated from the test
+schemas (deterministic: a fixed corpus, one thread-independent trainer), and a
+``LlamaForCausalLM`` config with head_dim 64 (the smallest vLLM's CPU attention
+takes) is written beside it; vLLM fills the weights itself (``load_format="dummy"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+# ``MASKPLUG_SCHEMAS`` (as the simulator reads it), else ``../shared/schemas`` beside the repository.
+SCHEMA_DIR = Path(os.environ.get("MASKPLUG_SCHEMAS") or Path(__file__).resolve().parents[4] / "shared" / "schemas")
+VOCAB_SIZE = 512
+
+
+def schema_paths() -> list[Path]:
+    """The shared test schemas; a missing folder is an error, not a skip."""
+    paths = sorted(SCHEMA_DIR.glob("*.json"))
+    if not paths:
+        raise FileNotFoundError(f"expected JSON schemas in {SCHEMA_DIR}, found none")
+    return paths
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    words = set()
+    for p in schema_paths():
+        text = p.read_text()
+        words.update(w for w in json.dumps(json.loads(text)).replace('"', " ").split() if w.isascii())
+    vocab = [*sorted(words), "true", "false", "null", "positive", "negative", "neutral", "alice", "bob"]
+    lines = []
+    for _ in range(3000):
+        keys = rng.sample(vocab, k=3)
+        vals = [rng.choice([str(rng.randint(0, 999)), f'"{rng.choice(vocab)}"', "true", "[1, 2]", "{}"]) for _ in keys]
+        lines.append("{" + ", ".join(f'"{k}": {v}' for k, v in zip(keys, vals, strict=True)) + "}")
+    return lines
+
+
+def build(folder: Path, specials: tuple[str, ...] = ("</s>",)) -> Path:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``config.json`` into ``folder``.
+
+    ``specials`` are the added special tokens, ids ``0..``; the last is the
+    EOS. By default it is the only one: vLLM's xgrammar path treats other
+    special tokens (``<s>``, ``<unk>``) as literal text, which maskplug does
+    not (see ``test_difference_special_tokens_are_not_text``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": specials[-1],
+                "model_max_length": 4096,
+            }
+        )
+    )
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": VOCAB_SIZE,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "head_dim": 64,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "bos_token_id": len(specials) - 1,
+                "eos_token_id": len(specials) - 1,
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return folder
+
+
+def load_tokenizer(folder: Path) -> object:
+    """The model's tokenizer as vLLM's structured-output code sees it (a Hugging Face fast tokenizer)."""
+    from transformers import PreTrainedTokenizerFast
+
+    eos = json.loads((folder / "tokenizer_config.json").read_text())["eos_token"]
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token=eos)
