@@ -223,6 +223,10 @@ class RunResult:
     accepted: int = 0
     verify_events: int = 0
     regimes: dict[str, int] = field(default_factory=lambda: {"full": 0, "partial": 0, "zero": 0})
+    #: steps at budget 0 although drafts were scheduled (the budget trimmed them all)
+    zero_trimmed: int = 0
+    #: tokens of the outputs that finished (valid, invalid or cut off)
+    finished_tokens: int = 0
     sim_ms: float = 0.0
     valid: int = 0
     invalid: int = 0
@@ -623,6 +627,7 @@ class Simulation:
         for r, stopped in finished:
             a = act[r]
             verdict = self._finish(a, stopped)
+            res.finished_tokens += len(a.output)
             if verdict == "valid":
                 res.valid += 1
             elif verdict == "cut_off":
@@ -643,6 +648,7 @@ class Simulation:
         res.tokens += emitted_total
         res.sim_ms += step_ms
         res.regimes[regime] += 1
+        res.zero_trimmed += int(b == 0 and total > 0)
         res.verified += b
         res.accepted += int(n_acc[decode].sum())
         res.verify_events += int(decode.sum())
