@@ -69,6 +69,12 @@ class _Curve:
             out = np.where(s <= self.graph_limit, step, out)
         return out
 
+    def span(self, start: int, count: int) -> FloatArray:
+        """Costs of sizes ``start .. start + count - 1``: a slice of the table when it covers them."""
+        if 0 <= start and start + count <= self.table.shape[0]:
+            return self.table[start : start + count]
+        return self._eval(np.arange(start, start + count, dtype=np.float64))
+
     def __call__(self, s: Any) -> Any:
         arr = np.asarray(s)
         if arr.dtype.kind in "iu" and arr.size and int(arr.min()) >= 0 and int(arr.max()) < self.table.shape[0]:
@@ -171,11 +177,15 @@ def _host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "con
     k = int(layout.num_drafts.max()) if layout.n else 0
     if conf.shape[1] < k:
         raise BudgetError(f"{arg}: expected at least {k} columns (the most drafts of any request), got {conf.shape[1]}")
-    valid = np.arange(conf.shape[1])[None, :] < layout.num_drafts[:, None]
-    live = conf[valid]
-    if live.size and (not np.all(np.isfinite(live)) or live.min() < 0 or live.max() > 1):
-        bad = live[~(np.isfinite(live) & (live >= 0) & (live <= 1))][0]
-        raise BudgetError(f"{arg}: expected probabilities in [0, 1] for scheduled drafts, got {bad}")
+    head = conf[:, :k]
+    # One pass over the columns that can matter (NaN fails both comparisons);
+    # only if it fails, look at which entries belong to scheduled drafts, since
+    # stale columns past a request's drafts may hold anything.
+    if not np.all((head >= 0.0) & (head <= 1.0)):
+        valid = np.arange(k)[None, :] < layout.num_drafts[:, None]
+        bad = ~((head >= 0.0) & (head <= 1.0)) & valid
+        if np.any(bad):
+            raise BudgetError(f"{arg}: expected probabilities in [0, 1] for scheduled drafts, got {head[bad][0]}")
     return conf
 
 
@@ -212,6 +222,19 @@ def survival(conf: FloatArray, num_drafts: npt.NDArray[np.int64]) -> FloatArray:
     s = np.cumprod(conf, axis=1) if conf.size else np.zeros_like(conf)
     valid = np.arange(conf.shape[1])[None, :] < num_drafts[:, None]
     return np.where(valid, s, 0.0)
+
+
+def _sorted_survivals(conf: FloatArray, num_drafts: npt.NDArray[np.int64]) -> FloatArray:
+    """The survivals of every scheduled draft, largest first (the values :func:`survival` holds)."""
+    k = int(num_drafts.max()) if num_drafts.size else 0
+    if k == 0:
+        return np.zeros(0, dtype=np.float64)
+    # Products run left to right, so stale junk past a request's drafts never
+    # reaches its scheduled positions.
+    s = np.cumprod(conf[:, :k], axis=1)
+    flat = s.ravel() if int(num_drafts.min()) == k else s[np.arange(k)[None, :] < num_drafts[:, None]]
+    # Only the sorted values matter (their sum), so an unstable sort is fine and several times faster.
+    return np.sort(flat)[::-1]
 
 
 def choose_budget(
@@ -254,17 +277,19 @@ def choose_budget(
         cap = min(cap, room)
     if grammar is not None:
         conf = grammar_confidences(conf, layout, grammar)
-    s = survival(conf, layout.num_drafts)
-    # Only the sorted values matter (their sum), so an unstable sort is fine and several times faster.
-    top = np.sort(s.ravel())[::-1][:cap]
+    top = _sorted_survivals(conf, layout.num_drafts)[:cap]
     est = np.empty(cap + 1, dtype=np.float64)
     est[0] = float(num_sampling)
     np.cumsum(top, out=est[1:])
     est[1:] += float(num_sampling)
     base = int(layout.num_non_draft.sum())
-    costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
-        cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
-    )
+    if type(cost).draft_ms is CostModel.draft_ms and type(cost).verify_ms is CostModel.verify_ms:
+        # Consecutive sizes: slice the tabulated curve instead of gathering from it.
+        costs = cost._draft.span(n, 1)[0] + cost._verify.span(base, cap + 1)
+    else:  # a subclass with its own cost functions
+        costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
+            cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
+        )
     if np.any(costs <= 0):
         raise BudgetError(f"cost: expected positive step costs, got {float(costs.min())} ms")
     ratio = est / costs
@@ -297,7 +322,9 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: 
         nd = torch.as_tensor(nd_host.astype(np.int64), device=dev)
     else:
         if num_drafts.shape != (n,) or num_drafts.is_floating_point():
-            raise BudgetError(f"num_drafts: expected an integer tensor of shape ({n},), got {num_drafts.dtype} {tuple(num_drafts.shape)}")
+            raise BudgetError(
+                f"num_drafts: expected an integer tensor of shape ({n},), got {num_drafts.dtype} {tuple(num_drafts.shape)}"
+            )
         if num_drafts.device != dev:
             raise BudgetError(f"num_drafts: expected device {dev}, got {num_drafts.device}")
         nd = num_drafts.to(torch.int64)
