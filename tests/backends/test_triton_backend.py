@@ -76,6 +76,7 @@ _SIG = {
     "limit": "i32",
     "chunks_per_row": "i32",
     "NINF": "constexpr",
+    "PACK": "constexpr",
     "BLOCK_W": "constexpr",
     "TILES": "constexpr",
 }
@@ -93,7 +94,10 @@ def test_aot_compile(arch: int, elem: str) -> None:
     div = [["tt.divisibility", 16]]
     attrs = {(k,): div for k in range(7)}
     src = ASTSource(
-        fn=tk.kernel_fn(), signature=sig, constexprs={"NINF": ninf, "BLOCK_W": tk.BLOCK_W, "TILES": 4}, attrs=attrs
+        fn=tk.kernel_fn(),
+        signature=sig,
+        constexprs={"NINF": ninf, "PACK": 4 if elem == "i32" else 8, "BLOCK_W": tk.BLOCK_W, "TILES": 4},
+        attrs=attrs,
     )
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
     ptx = compiled.asm["ptx"]

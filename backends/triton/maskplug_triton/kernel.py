@@ -24,8 +24,12 @@ Design choices, each for bandwidth or for correctness:
   vocabulary is classified from its 32 words alone (a 32-lane reduction, far
   cheaper than one over 1,024 elements): all ones → no store at all; all zeros →
   one unmasked store of the tile, which Triton emits as 16-byte vector stores;
-  otherwise a store predicated on the zero bits. Tiles that reach the vocabulary
-  tail take the general element-wise path.
+  otherwise two predicated stores. The tile is shaped (word, 16-byte pack,
+  element), so the first store's predicate ("nothing in this pack is allowed")
+  is constant over each pack and compiles to one predicated 16-byte store per
+  pack; the second covers only packs that mix allowed and disallowed tokens,
+  element by element. Tiles that reach the vocabulary tail take a general
+  element-wise path.
 * **Launch shape.** One program per (mask row, chunk of ``TILES`` tiles),
   flattened into one grid axis (axis 0 allows 2^31 - 1 programs; axes 1 and 2
   only 65,535, fewer than a big batch × chunks). A single decode row of 131,072
@@ -69,6 +73,7 @@ def _mask_kernel(
     limit,  # last column (exclusive) that may be written
     chunks_per_row,
     NINF: tl.constexpr,
+    PACK: tl.constexpr,  # elements per 16 bytes: 4 (32-bit) or 8 (16-bit)
     BLOCK_W: tl.constexpr,
     TILES: tl.constexpr,
 ):
@@ -86,14 +91,19 @@ def _mask_kernel(
         row = (c0 + p).to(tl.int64)
         out = logits_ptr + row * row_stride
         bm = bitmask_ptr + i.to(tl.int64) * words
+        # A tile is (word, 16-byte pack within the word, element within the pack).
+        G: tl.constexpr = 32 // PACK
         widx = tl.arange(0, BLOCK_W)
-        bit = tl.arange(0, 32)
-        ninf = tl.full([BLOCK_W, 32], NINF, out.dtype.element_ty)
+        grp = tl.arange(0, G)
+        elem = tl.arange(0, PACK)
+        shift = grp[None, :, None] * PACK + elem[None, None, :]  # bit index within the word
+        full: tl.constexpr = (1 << PACK) - 1
+        ninf = tl.full([BLOCK_W, G, PACK], NINF, out.dtype.element_ty)
         for t in tl.static_range(TILES):
             w0 = (chunk * TILES + t) * BLOCK_W
             wi = w0 + widx
             wv = tl.load(bm + wi, mask=wi < words, other=0)
-            cols = wi[:, None] * 32 + bit[None, :]
+            cols = wi[:, None, None] * 32 + shift
             if (w0 + BLOCK_W) * 32 <= vocab_size:
                 # Whole tile inside the vocabulary: decide from the words.
                 any_set = tl.max((wv != 0).to(tl.int32), axis=0)
@@ -101,10 +111,17 @@ def _mask_kernel(
                 if any_set == 0:
                     tl.store(out + cols, ninf)
                 elif any_clear != 0:
-                    drop = ((wv[:, None] >> bit[None, :]) & 1) == 0
+                    packbits = (wv[:, None] >> (grp[None, :] * PACK)) & full
+                    # A mask that is constant over each pack lets Triton emit one
+                    # predicated 16-byte store per pack with nothing allowed ...
+                    tl.store(out + cols, ninf, mask=(packbits == 0)[:, :, None])
+                    # ... and only packs mixing allowed and disallowed tokens fall
+                    # back to per-element stores.
+                    mixed = (packbits != 0) & (packbits != full)
+                    drop = mixed[:, :, None] & (((wv[:, None, None] >> shift) & 1) == 0)
                     tl.store(out + cols, ninf, mask=drop)
             elif w0 * 32 < limit:
-                allowed = (((wv[:, None] >> bit[None, :]) & 1) != 0) & (cols < vocab_size)
+                allowed = (((wv[:, None, None] >> shift) & 1) != 0) & (cols < vocab_size)
                 drop = (cols < limit) & (allowed == 0)
                 tl.store(out + cols, ninf, mask=drop)
 
@@ -173,6 +190,7 @@ def launch(
         limit,
         chunks,
         NINF=_NINF_BITS[logits.dtype],
+        PACK=16 // logits.element_size(),
         BLOCK_W=BLOCK_W,
         TILES=tiles,
         num_warps=4,
