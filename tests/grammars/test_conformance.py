@@ -259,15 +259,14 @@ class Tally:
 
 
 def _check_accept_agrees(m: Any, vocab: Vocab, row: torch.Tensor, allowed: np.ndarray, rng: Any, t: Tally) -> None:
-    """``accept`` takes allowed tokens, refuses the others, and leaves the state as it was."""
+    """``accept`` takes every allowed token, refuses others (a random sample, the controls, padding), and leaves the state as it was."""
     allowed_set = set(allowed.tolist())
     texts = [i for i in range(len(vocab.tokens)) if i not in vocab.special_ids]
-    pick_ok = allowed if allowed.size <= 48 else rng.choice(allowed, 48, replace=False)
     pick_no = [i for i in rng.choice(texts, 64, replace=False).tolist() if i not in allowed_set][:32]
     controls = sorted(vocab.special_ids - set(vocab.eos_ids))[:4]
     padding = list(range(len(vocab.tokens), vocab.vocab_size))[:2]
     was_done = m.is_terminated()
-    for tok in [*pick_ok.tolist(), *pick_no, *controls, *padding, *vocab.eos_ids]:
+    for tok in [*allowed.tolist(), *pick_no, *controls, *padding, *vocab.eos_ids]:
         ok = m.accept(int(tok))
         assert ok == (tok in allowed_set), f"accept({tok}={vocab.tokens[tok] if tok < len(vocab) else b''!r})"
         if ok:

@@ -108,6 +108,10 @@ class LLGuidanceMatcher(MatcherBase):
         # right after ``fill`` (the draft-row pattern) costs a bit lookup.
         self._mask = np.zeros(self.vocab.mask_words, dtype=np.int32)
         self._mask_ok = False
+        # The mask before the last accepted token: accept-then-rollback(1)
+        # (validating, probing) gets it back without asking the engine again.
+        self._prev_mask = np.zeros_like(self._mask)
+        self._prev_depth = -1
 
     # -- helpers --------------------------------------------------------------------
     def _normalise(self, row: npt.NDArray[np.int32]) -> None:
@@ -130,6 +134,7 @@ class LLGuidanceMatcher(MatcherBase):
             )
         self.engine = engine
         self._mask_ok = False
+        self._prev_depth = -1
 
     # -- engine primitives --------------------------------------------------------
     def _accept(self, token: int) -> bool:
@@ -140,8 +145,11 @@ class LLGuidanceMatcher(MatcherBase):
         self._mask_ok = False
         if not self.engine.consume_token(token):
             # The mask allowed it but the engine refused: never keep the error state.
+            self._prev_depth = -1
             self._rebuild()
             return False
+        self._mask, self._prev_mask = self._prev_mask, self._mask
+        self._prev_depth = len(self._tokens)
         self._tokens.append(token)
         return True
 
@@ -150,6 +158,10 @@ class LLGuidanceMatcher(MatcherBase):
             raise GrammarError(f"n: llguidance could not roll back {n} tokens: {self.engine.get_error()}")
         del self._tokens[len(self._tokens) - n :]
         self._mask_ok = False
+        if self._prev_depth == len(self._tokens):
+            self._mask, self._prev_mask = self._prev_mask, self._mask
+            self._mask_ok = True
+        self._prev_depth = -1
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> None:
         if not self._mask_ok:
@@ -173,6 +185,7 @@ class LLGuidanceMatcher(MatcherBase):
         self._tokens.clear()
         self._terminated = False
         self._mask_ok = False
+        self._prev_depth = -1
 
     def fork(self) -> LLGuidanceMatcher:
         """An independent matcher in the same state."""
