@@ -2,7 +2,7 @@
 
 Semantics (maskplug DESIGN §4.4): mask row ``i`` with
 ``(r, p) = (request[i], position[i])`` writes logits row ``cu_logits[r] + p``
-iff ``r >= 0``, ``p >= 0`` and ``p < cu_logits[r+1] - cu_logits[r]``. Columns
+iff ``0 <= r < n``, ``p >= 0`` and ``p < cu_logits[r+1] - cu_logits[r]``. Columns
 ``< vocab_size`` whose bit is 0 become ``-inf``; columns in
 ``[vocab_size, limit)`` become ``-inf`` too (``limit`` is the logits width with
 ``tail="mask"``, ``vocab_size`` with ``tail="keep"``). Nothing else is written.
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "launch", "launch_shape"]
+__all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "kernel_fn", "launch", "launch_shape"]
 
 BLOCK_W = 32  # mask words per tile: 1,024 columns
 MAX_TILES = 16  # tiles per program for large batches
