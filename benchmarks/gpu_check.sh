@@ -60,6 +60,7 @@ if [ "$left" -lt 60 ]; then left=60; fi
 timeout "$left" "$PYTHON" benchmarks/gpu_bench.py --budget-s $(( left - 40 )) --json /tmp/gpu_bench.json "$@" \
     2>&1 | tee -a "$log" || status=1
 if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
     cp "$log" "$OUT/gpu_check.log"
     if [ -f /tmp/gpu_bench.json ]; then cp /tmp/gpu_bench.json "$OUT/gpu_bench.json"; fi
 fi
