@@ -153,6 +153,7 @@ def load_functions(index: int) -> dict[str, Any]:
 
                 with cupy.cuda.Device(index):
                     module = cupy.RawModule(code=cuda_source(), options=("--std=c++17",))
+                    module.compile()  # NVRTC errors surface here, as the backend's unavailability reason
                     fns = {name: module.get_function(name) for name in KERNELS.values()}
                     for fn in fns.values():
                         _ = fn.num_regs  # forces compile + load now, not inside a later graph capture
@@ -178,8 +179,11 @@ def _cupy_stream(ptr: int, index: int) -> Any:
     if ptr == 0:
         return cupy.cuda.Stream.null
     if hasattr(cupy.cuda.Stream, "from_external"):
-        return cupy.cuda.Stream.from_external(_StreamRef(ptr))
-    return cupy.cuda.ExternalStream(ptr, index)  # CuPy < 14
+        try:
+            return cupy.cuda.Stream.from_external(_StreamRef(ptr))
+        except (TypeError, ValueError):
+            pass  # a CuPy whose protocol check differs: the older wrapper still works
+    return cupy.cuda.ExternalStream(ptr, index)
 
 
 @functools.lru_cache(maxsize=16)
