@@ -353,3 +353,15 @@ def test_custom_op_traces_with_fullgraph() -> None:
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert any("maskplug_cupy.apply_bitmask" in t for t in targets), targets
+
+
+def test_launch_stream_is_torchs_stream() -> None:
+    """The launch goes on the stream whose handle torch reports, wrapped without a deprecated API."""
+    pytest.importorskip("cupy", reason="maskplug-cupy needs cupy")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stream = ck._cupy_stream(0x7F00_1234_5600, 0)
+    assert stream.ptr == 0x7F00_1234_5600
+    assert ck._cupy_stream(0, 0).ptr == 0  # torch's legacy default stream is CuPy's null stream
