@@ -276,3 +276,38 @@ def test_batch_fill_matches_one_by_one() -> None:
             assert m.accept(t) == ok
             if ok:
                 m.rollback(1)
+
+
+def test_batch_accept_and_rollback_match_one_by_one() -> None:
+    """The executor's parallel consume gives the results and states of each matcher's own accept."""
+    v = mistral_sentencepiece()
+    p = grammar_provider(NAME, v)
+    schema = json.loads((SCHEMA_DIR / "order.json").read_text())
+    doc = '{"order_id":"ORD-123456","items":[{"sku":"a b","qty":3,"price":9.5}],"paid":true,"currency":"EUR"}'
+    ids = p.tokenizer.tokenize_str(doc)
+    g = p.compile(GrammarSpec("json_schema", schema))
+    rng = np.random.default_rng(1)
+    ms = []
+    for k in range(16):
+        m = g.matcher()
+        for t in ids[: k * len(ids) // 16]:
+            assert m.accept(t)
+        ms.append(m)
+    twins = [m.fork() for m in ms]
+    bm = v.new_bitmask(len(ms))
+    p.batch_ops.fill(ms, bm, list(range(len(ms))))
+    # Half the tokens are the document's next (allowed), half random (mostly refused), plus odd ones.
+    toks = [ids[k * len(ids) // 16] if k % 2 == 0 else int(rng.integers(0, len(v.tokens))) for k in range(len(ms))]
+    toks[1], toks[3] = v.eos_ids[0], 0  # a stop token that is not allowed yet, a control token
+    got = p.batch_ops.accept(ms, toks)
+    want = [t.accept(tok) for t, tok in zip(twins, toks, strict=True)]
+    assert got == want and any(got) and not all(got)
+    for m, t in zip(ms, twins, strict=True):
+        assert m.num_accepted == t.num_accepted and allowed(m, v) == allowed(t, v)
+    p.batch_ops.rollback(ms, [int(x) for x in got])
+    for k, m in enumerate(ms):
+        assert m.num_accepted == k * len(ids) // 16
+        assert torch.equal(torch.from_numpy(m._mask), bm[k]) or not m._mask_ok
+        fresh = v.new_bitmask(1)
+        m.fill(fresh, 0)
+        assert torch.equal(fresh[0], bm[k])

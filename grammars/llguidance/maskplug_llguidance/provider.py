@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -142,8 +143,12 @@ class LLGuidanceMatcher(MatcherBase):
             self._compute_mask()
         if not (int(self._mask[token >> 5]) >> (token & 31)) & 1:
             return False
+        return self._consumed(token, bool(self.engine.consume_token(token)))
+
+    def _consumed(self, token: int, ok: bool) -> bool:
+        """Book-keeping after the engine consumed ``token`` (a mask-allowed one) with result ``ok``."""
         self._mask_ok = False
-        if not self.engine.consume_token(token):
+        if not ok:
             # The mask allowed it but the engine refused: never keep the error state.
             self._prev_depth = -1
             self._rebuild()
@@ -207,8 +212,8 @@ class LLGuidanceBatchOps:
     """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
 
     ``fill`` computes every row in one ``LLExecutor`` call (a native thread
-    pool, GIL released); accept and rollback are per matcher, since each is a
-    bit lookup or a short native call.
+    pool, GIL released) and ``accept`` consumes every token in one more;
+    rollback is per matcher (a short native call each).
     """
 
     def __init__(self, provider: LLGuidanceProvider, num_threads: int | None) -> None:
@@ -249,8 +254,35 @@ class LLGuidanceBatchOps:
             m._mask_ok = True
 
     def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
-        """``matchers[i].accept(tokens[i])`` for all ``i``."""
-        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+        """``matchers[i].accept(tokens[i])`` for all ``i``.
+
+        Plain text tokens of matchers whose mask is at hand (right after a
+        fill) are checked against it here and consumed in one parallel
+        executor call; everything else takes the matcher's own checked path.
+        """
+        out = [False] * len(matchers)
+        todo: list[int] = []
+        vocab = self.provider.vocab
+        n_text = len(vocab.tokens)
+        for i, (m, t) in enumerate(zip(matchers, tokens, strict=True)):
+            if (
+                not isinstance(m, LLGuidanceMatcher)
+                or not m._mask_ok
+                or m.is_terminated()
+                or isinstance(t, bool)
+                or not 0 <= int(t) < n_text
+                or int(t) in vocab.special_ids
+            ):
+                out[i] = m.accept(t)
+            elif (int(m._mask[int(t) >> 5]) >> (int(t) & 31)) & 1:
+                todo.append(i)
+        if not todo:
+            return out
+        owners = [cast(LLGuidanceMatcher, matchers[i]) for i in todo]
+        done = self.executor.consume_token_par([(m.engine, int(tokens[i])) for m, i in zip(owners, todo, strict=True)])
+        for m, i, ok in zip(owners, todo, done, strict=True):
+            out[i] = m._consumed(int(tokens[i]), bool(ok))
+        return out
 
     def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
         """``matchers[i].rollback(counts[i])`` for all ``i``."""
