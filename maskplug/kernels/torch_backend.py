@@ -30,7 +30,8 @@ __all__ = ["TorchBackend"]
 # Bit patterns of -inf per element width.
 _NINF = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: -128}  # 0xFF800000, 0xFC00, 0xFF80
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-_CHUNK_ELEMS = 1 << 19  # ~2 MB of int32 keep-mask per chunk: stays in L2
+_CHUNK_ELEMS = 1 << 17  # 512 KB of int32 keep-mask per chunk: it and its logits stay in L2
+_DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
 
 
 def _keep_mask(words: torch.Tensor, width: int, vocab_size: int, mask_tail: bool, itype: torch.dtype) -> torch.Tensor:
@@ -38,7 +39,9 @@ def _keep_mask(words: torch.Tensor, width: int, vocab_size: int, mask_tail: bool
     c, w = words.shape
     shifts = torch.arange(31, -1, -1, dtype=torch.int32, device=words.device)
     # Bit b of a word moved to the sign bit, then an arithmetic shift smears it: -1 or 0.
-    bits = ((words.unsqueeze(-1) << shifts) >> 31).view(c, 32 * w)
+    bits = words.unsqueeze(-1) << shifts
+    bits >>= 31  # in place: a second temporary of the chunk's size costs more than the shift itself
+    bits = bits.view(c, 32 * w)
     if itype != torch.int32:
         bits = bits.to(itype)
     if 32 * w == width and (vocab_size == width or not mask_tail):
@@ -161,7 +164,7 @@ class TorchBackend:
         ninf = _NINF[logits.dtype]
         xi = logits.view(itype)
         keep_all = _keep_mask(bitmask, width, vocab_size, mask_tail, itype)
-        block = max(32, _CHUNK_ELEMS * 16 // max(num_rows + 1, 1) // 32 * 32)
+        block = max(32, _DEVICE_BLOCK_ELEMS // max(num_rows + 1, 1) // 32 * 32)
         for c0 in range(0, width, block):
             c1 = min(width, c0 + block)
             comb = torch.full((num_rows + 1, c1 - c0), -1, dtype=itype, device=logits.device)
