@@ -48,21 +48,37 @@ def test_random_cases(seed: int, dtype: torch.dtype) -> None:
     check(make_case(seed, dtype=dtype, max_width=2500), "triton")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_full_vocab_rows(dtype: torch.dtype) -> None:
-    """A 131,072-column vocabulary: several tiles per program, every tile classification."""
+@pytest.mark.parametrize(
+    ("dtype", "width", "vocab", "tail"),
+    [
+        (torch.float32, 131_072, 131_072, True),
+        (torch.float16, 131_072, 131_072, True),
+        (torch.bfloat16, 131_072, 131_072, True),
+        (torch.float16, 100_000, 99_999, True),
+        (torch.bfloat16, 100_000, 70_001, False),
+    ],
+)
+def test_full_vocab_rows(dtype: torch.dtype, width: int, vocab: int, tail: bool) -> None:
+    """Real vocabulary sizes: several tiles per program, tiles past the row end, every tile classification."""
     rng = np.random.default_rng(3)
-    width, words = 131_072, 4096
+    words = -(-vocab // 32)
+    assert tk.launch_shape(3, width, 4)[0] > 1  # the multi-tile programs are what this covers
     bm = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
     bm[0, :2000] = 0  # dense-masked tiles: unmasked vector stores
     bm[1, 1000:] = -1  # all-allowed tiles: skipped
+    bm[2, ::3] = 0  # whole packs disallowed inside mixed tiles
     logits = torch.from_numpy(rng.standard_normal((3, width), dtype=np.float32)).to(dtype)
     got, want = logits.clone(), logits.clone()
     req, pos, cu = np.array([0, 1, 2]), np.zeros(3, dtype=np.int64), np.arange(4)
-    maskplug.apply_grammar_bitmask(got, torch.from_numpy(bm), (req, pos), cu, backend="triton")
+    maskplug.apply_grammar_bitmask(
+        got, torch.from_numpy(bm), (req, pos), cu, vocab_size=vocab, tail="mask" if tail else "keep", backend="triton"
+    )
     # A vectorised oracle, independent of the kernel: unpack the bits little-endian.
-    allowed = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little").astype(bool)[:, :width]
-    want[torch.from_numpy(~allowed)] = float("-inf")
+    allowed = np.unpackbits(bm.view(np.uint8), axis=1, bitorder="little").astype(bool)[:, :vocab]
+    drop = np.zeros((3, width), dtype=bool)
+    drop[:, :vocab] = ~allowed
+    drop[:, vocab:] = tail
+    want[torch.from_numpy(drop)] = float("-inf")
     assert torch.equal(int_view(got), int_view(want))
 
 
