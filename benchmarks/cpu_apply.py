@@ -1,0 +1,151 @@
+"""CPU mask apply: maskplug's torch backend against xgrammar's CPU kernel and plain torch.
+
+64 logits rows × 131,072 columns (a 128k vocabulary). Two kinds of mask:
+
+* ``json``: a few hundred allowed tokens per row, as a JSON grammar gives
+  between structural tokens;
+* ``half``: random bits, about half of the vocabulary allowed.
+
+Peers, measured in the same run on the same inputs:
+
+* ``xgrammar``: ``xgrammar.apply_token_bitmask_inplace`` (its C++ CPU kernel);
+* ``expand+fill``: the plain torch approach, expanding the bits to a boolean
+  mask of the logits shape and calling ``masked_fill_``.
+
+Each timed call starts from freshly copied logits (the copy is not timed); all
+three results are checked to be identical before anything is timed.
+
+Run: ``.venv/bin/python benchmarks/cpu_apply.py [--repeat N] [--threads T]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import maskplug as mp
+
+ROWS = 64
+VOCAB = 131_072
+WORDS = VOCAB // 32
+
+
+def json_like_masks(rng: np.random.Generator, rows: int) -> torch.Tensor:
+    """A few hundred allowed tokens per row: clustered (as token ids of punctuation and keys are) and scattered."""
+    bm = np.zeros((rows, WORDS), dtype=np.uint32)
+    for r in range(rows):
+        scattered = rng.choice(VOCAB, size=int(rng.integers(100, 400)), replace=False)
+        start = int(rng.integers(0, VOCAB - 256))
+        clustered = np.arange(start, start + int(rng.integers(16, 128)))
+        tok = np.concatenate([scattered, clustered])
+        np.bitwise_or.at(bm[r], tok >> 5, (np.uint32(1) << (tok & 31).astype(np.uint32)))
+    return torch.from_numpy(bm.view(np.int32))
+
+
+def half_masks(rng: np.random.Generator, rows: int) -> torch.Tensor:
+    return torch.from_numpy(
+        rng.integers(0, 2**32, size=(rows, WORDS), dtype=np.uint64).astype(np.uint32).view(np.int32)
+    )
+
+
+def expand_and_fill(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """The straightforward torch approach: one boolean per logit, then masked_fill_."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def median_ms(fn: Callable[[torch.Tensor], None], source: torch.Tensor, repeat: int) -> tuple[float, float]:
+    """Median wall-clock and median CPU time of the calling thread, in ms.
+
+    With one torch thread every peer runs entirely on the calling thread, so
+    its CPU time is the work done, unaffected by waiting for a busy machine.
+    """
+    work = source.clone()
+    fn(work)  # warm up (allocations, lazy initialisation)
+    wall, cpu = [], []
+    for _ in range(repeat):
+        work.copy_(source)
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        fn(work)
+        cpu.append(time.thread_time_ns() - c0)
+        wall.append(time.perf_counter_ns() - t0)
+    return statistics.median(wall) / 1e6, statistics.median(cpu) / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30, help="timed calls per cell (default 30)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1, as xgrammar's kernel)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    try:
+        import xgrammar
+
+        xgr_apply: Callable[[torch.Tensor, torch.Tensor], None] | None = xgrammar.apply_token_bitmask_inplace
+    except ImportError:  # pragma: no cover - xgrammar is installed in the dev environment
+        xgr_apply = None
+
+    # Eight requests with seven drafts plus a bonus each, full budget: 64 mask rows onto 64 logits rows.
+    layout = mp.ScheduledLayout(list(range(8)), [7] * 8, [1] * 8)
+    mapping = mp.GrammarRows(list(range(8))).mapping(layout)
+    cu = mp.compact(layout, layout.total_drafts).cu_logits
+    assert len(mapping) == ROWS and int(cu[-1]) == ROWS
+
+    rng = np.random.default_rng(0)
+    base = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
+    print(f"CPU mask apply, {ROWS} x {VOCAB:,}, torch threads {args.threads}; median of {args.repeat} calls")
+    print("wall: wall-clock ms; cpu: CPU ms of the calling thread; ratios: peer time / maskplug time (wall, cpu)")
+    head = f"{'mask':<5} {'dtype':<9}"
+    for peer in ("maskplug", "xgrammar", "expand+fill"):
+        head += f" {peer + ' wall':>16} {peer + ' cpu':>15}"
+    print(head + f" {'vs xgrammar':>12} {'vs expand+fill':>15}")
+    for mask_name, make in (("json", json_like_masks), ("half", half_masks)):
+        bitmask = make(rng, ROWS)
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            source = base.to(dtype)
+
+            def ours(x: torch.Tensor, bm: torch.Tensor = bitmask) -> None:
+                mp.apply_grammar_bitmask(x, bm, mapping, cu, backend="torch")
+
+            def plain(x: torch.Tensor, bm: torch.Tensor = bitmask) -> None:
+                expand_and_fill(x, bm)
+
+            peers: dict[str, Callable[[torch.Tensor], None]] = {"maskplug": ours, "expand+fill": plain}
+            if xgr_apply is not None and dtype == torch.float32:
+
+                def theirs(x: torch.Tensor, bm: torch.Tensor = bitmask) -> None:
+                    xgr_apply(x, bm)  # type: ignore[misc]
+
+                peers["xgrammar"] = theirs
+            # Same answer from every peer before any timing.
+            results = {}
+            for name, fn in peers.items():
+                out = source.clone()
+                fn(out)
+                results[name] = out
+            for name, out in results.items():
+                assert torch.equal(out, results["maskplug"]), f"{name} disagrees with maskplug"
+            ms = {name: median_ms(fn, source, args.repeat) for name, fn in peers.items()}
+            row = f"{mask_name:<5} {str(dtype).removeprefix('torch.'):<9}"
+            for peer in ("maskplug", "xgrammar", "expand+fill"):
+                w, c = ms.get(peer, (float("nan"), float("nan")))
+                row += f" {w:>16.2f} {c:>15.2f}"
+            ours_w, ours_c = ms["maskplug"]
+            for peer, width in (("xgrammar", 12), ("expand+fill", 15)):
+                if peer in ms:
+                    row += f" {f'{ms[peer][0] / ours_w:.1f}x, {ms[peer][1] / ours_c:.1f}x':>{width}}"
+                else:
+                    row += f" {'-':>{width}}"
+            print(row)
+
+
+if __name__ == "__main__":
+    main()
