@@ -12,14 +12,13 @@ STAMP  := $(VENV)/.maskplug-installed
 # Every plugin distribution in the tree, installed editable beside the core.
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml))
 PLUGIN_ARGS := $(foreach d,$(PLUGIN_DIRS),-e $(d))
-EXTRA_DEPS  := $(shell cat requirements/extras.txt 2>/dev/null | grep -v '^\#')
 
 .PHONY: venv demo test test-core test-engines lint bench clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt $(wildcard requirements/*.txt) $(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PIP) -e '.[test,lint]' $(PLUGIN_ARGS) $(EXTRA_DEPS)
+	$(PIP) -e '.[test,lint]' $(PLUGIN_ARGS) -r requirements/extras.txt
 	test ! -s requirements/nodeps.txt || $(PIP) --no-deps -r requirements/nodeps.txt
 	touch $(STAMP)
 
