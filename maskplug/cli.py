@@ -174,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
         "report throughput, budget regimes, goodput and output validity. Exit status 1 when any output is "
         "invalid or any invariant check failed.",
     )
-    p.add_argument("--steps", type=int, default=None, help="engine steps per scheduler (default 120)")
-    p.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 24)")
+    p.add_argument("--steps", type=int, default=None, help="engine steps per scheduler (default 60)")
+    p.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 16)")
     p.add_argument("--drafts", type=int, default=None, help="drafts per decoding request and step (default 4)")
     p.add_argument("--provider", default="xgrammar", help="grammar provider (default xgrammar)")
     p.add_argument("--backend", default="auto", help="kernel backend (default auto)")
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: report host_us_per_step as null, so the same seed gives byte-identical output",
     )
     p.add_argument("--plot", metavar="FILE.png", help="also sweep concurrency 1/8/64/256 and draw a PNG")
-    p.add_argument("--sweep-steps", type=int, default=30, help="steps per scheduler and level of the sweep")
+    p.add_argument("--sweep-steps", type=int, default=20, help="steps per scheduler and level of the sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_demo)
 

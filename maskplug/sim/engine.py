@@ -116,8 +116,8 @@ class SimConfig:
         schema_dir: the JSON schemas (default ``../shared/schemas``).
     """
 
-    steps: int = 120
-    concurrency: int = 24
+    steps: int = 60
+    concurrency: int = 16
     drafts: int = 4
     tokenizer: str = "tekken"
     provider: str = "xgrammar"

@@ -28,7 +28,7 @@ def sweep(
     schedulers: Sequence[str] = DEFAULT_SCHEDULERS,
     levels: Sequence[int] = SWEEP_CONCURRENCY,
     *,
-    steps: int = 30,
+    steps: int = 20,
     tokenizer: str = "spm",
     progress: bool = True,
     stream: TextIO | None = None,
