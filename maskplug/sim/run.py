@@ -26,6 +26,7 @@ class DemoReport:
     config: SimConfig
     results: dict[str, RunResult] = field(default_factory=dict)
     setup_s: float = 0.0
+    run_s: float = 0.0
     backend: str = ""
 
     @property
@@ -70,6 +71,7 @@ def run_demo(
         sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
         report.results[name] = sim.run()
     bar.close()
+    report.run_s = time.perf_counter() - t0 - report.setup_s
     return report
 
 
@@ -104,7 +106,7 @@ def format_table(report: DemoReport) -> str:
         "",
         f"{cfg.steps} steps per scheduler, {cfg.concurrency} concurrent requests, K={cfg.drafts} drafts, "
         f"{cfg.tokenizer} vocabulary, {cfg.provider} grammars, {report.backend} kernel, seed {cfg.seed}; "
-        f"set-up {report.setup_s:.1f} s",
+        f"set-up {report.setup_s:.1f} s, runs {report.run_s:.1f} s",
         "tok/step: tokens emitted per engine step; acc.len: tokens per decoding request per step (accepted drafts + 1);",
         "full/part/zero: steps whose verify budget kept every scheduled draft / some / none (bonus rows only);",
         "goodput: emitted tokens per simulated second under the cost model; cut-off: outputs stopped by their token",
