@@ -584,7 +584,6 @@ class Simulation:
             final_tok[s_req] = pick.numpy()
 
         # ---- emit, check, commit ---------------------------------------------
-        c0 = time.perf_counter()
         finished: list[tuple[int, bool]] = []
         emitted_total = 0
         for r, a in enumerate(act):
@@ -597,7 +596,9 @@ class Simulation:
                 rws = g_start[g] + np.arange(len(toks))
                 if not np.all(_bits(bm_np, rws, np.asarray(toks, dtype=np.int64))):
                     self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
+                c0 = time.perf_counter()
                 took = commit(a.matcher, toks)
+                host_s += time.perf_counter() - c0
                 if took != len(toks):
                     self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
             ref = a.prep.ref
@@ -613,7 +614,6 @@ class Simulation:
                 finished.append((r, stopped))
                 if a.matcher is not None and stopped and not a.matcher.is_terminated():
                     self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
-        host_s += time.perf_counter() - c0
 
         decode = ~prefill
         o0 = time.perf_counter()
