@@ -1,0 +1,110 @@
+"""End to end: vLLM's CPU engine, a tiny Llama, n-gram speculative decoding with 3 tokens, JSON schemas.
+
+The engine runs twice, each time in a fresh process (``engine_run.py``): once
+with ``MASKPLUG_VLLM=1`` (the plugin is found through vLLM's
+``vllm.general_plugins`` entry point, grammars come from maskplug's xgrammar
+provider, rows from :func:`maskplug.fill_draft_masks`, masks applied by
+:func:`maskplug.apply_grammar_bitmask` in the CPU runner), once with vLLM's
+own xgrammar backend. About 90 s in all on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import tiny_model
+
+HERE = Path(__file__).resolve().parent
+
+
+def _run(model: Path, out: Path, enabled: bool, *extra: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    if enabled:
+        env["MASKPLUG_VLLM"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "engine_run.py"), str(model), str(out), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("engine")
+    model = tiny_model.build(folder / "model")
+    return {
+        "maskplug": _run(model, folder / "maskplug.json", True, "--sampled"),
+        "vllm": _run(model, folder / "vllm.json", False),
+    }
+
+
+def test_adapter_served_the_engine(runs: dict[str, dict[str, Any]]) -> None:
+    mp = runs["maskplug"]
+    assert mp["runner"] == {"installed": True, "backend_is_maskplug": True, "runner_apply_is_maskplug": True}
+    counts = mp["counts"]
+    # Every structured step went through maskplug's producer and kernel, with drafts in the window.
+    assert counts["fill_calls"] > 50
+    assert counts["apply_calls"] == counts["fill_calls"]
+    assert counts["draft_rows"] > 500
+    assert counts["applied_rows"] >= counts["draft_rows"]
+    assert runs["vllm"]["counts"] == {} and runs["vllm"]["runner"] == {}
+
+
+RAW_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
+
+
+def test_every_finished_output_validates(runs: dict[str, dict[str, Any]]) -> None:
+    schemas = {p.stem: json.loads(p.read_text()) for p in tiny_model.schema_paths()}
+    finished = 0
+    for outputs in runs["maskplug"]["sets"].values():
+        for o in outputs:
+            if o["finish_reason"] != "stop":
+                continue
+            finished += 1
+            try:
+                value = json.loads(o["text"])
+            except json.JSONDecodeError:
+                # The one way xgrammar's JSON (vLLM's and maskplug's provider alike) departs from
+                # RFC 8259: raw control characters in length-bounded strings (see the test below).
+                assert RAW_CONTROL.search(o["text"]), o["text"]
+                value = json.loads(o["text"], strict=False)
+            jsonschema.validate(value, schemas[o["schema"]])
+    assert finished >= 8, f"only {finished} outputs finished; the check would be weak"
+
+
+def test_xgrammar_length_bounded_strings_admit_raw_control_characters() -> None:
+    """Why the check above parses some outputs leniently: xgrammar 0.2.8 compiles a string with
+    ``minLength``/``maxLength`` to ``[^"\\\r\n]{m,n}``, which admits raw control characters that
+    JSON forbids (its unbounded strings exclude them). If a release fixes this, this test fails and
+    the lenient parse above should go."""
+    import xgrammar as xgr
+
+    bounded = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "maxLength": 8}))
+    unbounded = xgr.Grammar.from_json_schema(json.dumps({"type": "string"}))
+    text = '"a\x04b"'
+    assert xgr.testing._is_grammar_accept_string(bounded, text)
+    assert not xgr.testing._is_grammar_accept_string(unbounded, text)
+
+
+def test_token_for_token_identical_to_vllm_xgrammar(runs: dict[str, dict[str, Any]]) -> None:
+    ours, theirs = runs["maskplug"]["sets"]["greedy"], runs["vllm"]["sets"]["greedy"]
+    assert len(ours) == len(theirs) == 2 * len(tiny_model.schema_paths())
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["schema"] == b["schema"]
+        assert a["token_ids"] == b["token_ids"], a["schema"]
+        assert a["text"] == b["text"]
+        assert a["finish_reason"] == b["finish_reason"]
+    assert sum(len(a["token_ids"]) for a in ours) > 1000

@@ -1,0 +1,74 @@
+"""Install is not enable; enabling checks the vLLM version and patches exactly the named attributes."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+
+import maskplug_vllm
+import pytest
+from maskplug_vllm import patches
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.structured_output import utils as so_utils
+from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+from maskplug import PluginError
+
+NAMED = [
+    (so_utils, "apply_grammar_bitmask"),
+    (StructuredOutputsWorker, "apply_grammar_bitmask"),
+    (StructuredOutputManager, "grammar_init"),
+    (StructuredOutputManager, "grammar_bitmask"),
+]
+
+
+def _current() -> list[object]:
+    return [getattr(owner, attr) for owner, attr in NAMED]
+
+
+def test_entry_point_is_registered_with_vllm() -> None:
+    eps = {ep.name: ep.value for ep in md.entry_points(group="vllm.general_plugins")}
+    assert eps.get("maskplug") == "maskplug_vllm:register"
+
+
+def test_register_without_the_switch_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _current()
+    for value in (None, "", "0", "no"):
+        if value is None:
+            monkeypatch.delenv("MASKPLUG_VLLM", raising=False)
+        else:
+            monkeypatch.setenv("MASKPLUG_VLLM", value)
+        maskplug_vllm.register()
+        assert not maskplug_vllm.installed()
+        assert _current() == before
+
+
+def test_register_with_the_switch_patches_and_uninstall_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _current()
+    monkeypatch.setenv("MASKPLUG_VLLM", "1")
+    try:
+        maskplug_vllm.register()
+        maskplug_vllm.register()  # vLLM may load plugins more than once per process
+        assert maskplug_vllm.installed()
+        after = _current()
+        assert all(a is not b for a, b in zip(after, before, strict=True))
+        assert [patches.original(o, a) for o, a in NAMED] == before
+    finally:
+        maskplug_vllm.uninstall()
+    assert _current() == before
+
+
+def test_untested_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _current()
+    monkeypatch.setenv("MASKPLUG_VLLM", "1")
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.33.1")
+    with pytest.raises(PluginError, match=r"tested with vLLM 0\.32\.0, got 0\.33\.1; unset MASKPLUG_VLLM"):
+        maskplug_vllm.register()
+    assert not maskplug_vllm.installed()
+    assert _current() == before
+
+
+def test_version_check_ignores_the_local_build_suffix() -> None:
+    assert patches.check_vllm_version("0.32.0+cpu") == "0.32.0"
+    assert patches.vllm_version() == "0.32.0"
+    with pytest.raises(PluginError, match="vllm version"):
+        patches.check_vllm_version("0.31.2")
