@@ -45,7 +45,7 @@ from ..budget import CostModel, allocate
 from ..compaction import active_cu_logits, compact
 from ..confidence import ConfidenceHistory
 from ..dispatch import apply_grammar_bitmask
-from ..errors import BudgetError
+from ..errors import GrammarError
 from ..grammar import GrammarProvider, commit, fill_draft_masks
 from ..layout import GrammarRows, ScheduledLayout
 from ..plugins import get_registry
@@ -179,7 +179,7 @@ class Workload:
         ids: list[int] | None = None
         if spec.grammar is not None:
             if self.provider is None:
-                raise BudgetError("provider: expected a grammar provider for grammar requests, got none")
+                raise GrammarError("provider: expected a grammar provider for grammar requests, got none")
             compiled = self.provider.compile(spec.grammar)
             for text in texts:
                 cand = [*self.tok.encode(text), eos]
@@ -187,7 +187,7 @@ class Workload:
                     ids = cand
                     break
             if ids is None:
-                raise BudgetError(
+                raise GrammarError(
                     f"workload: no serialisation of request {index}'s {spec.name} reference is accepted by "
                     f"{self.config.provider}: {texts[0][:80]!r}"
                 )
