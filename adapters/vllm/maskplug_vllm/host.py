@@ -74,21 +74,24 @@ def step_rows(
         LayoutError: duplicate ids, bad counts, or an absent grammar request
             whose drafts are unknown.
     """
-    ids = np.asarray(req_ids)
-    gids = np.asarray(grammar_req_ids)
+    # Lists and a set, not numpy string arrays: converting a few hundred
+    # Python strings to numpy costs more than the whole lookup.
+    ids = list(req_ids)
+    gids = list(grammar_req_ids)
     nd = np.asarray(num_drafts, dtype=np.int64)
-    n = int(ids.shape[0])
+    n = len(ids)
     if nd.shape != (n,):
         raise LayoutError(f"num_drafts: expected {n} counts (one per batch request), got shape {nd.shape}")
-    missing = gids[~np.isin(gids, ids)] if gids.size and n else gids
-    if missing.size:
+    present = set(ids)
+    missing = [g for g in gids if g not in present]
+    if missing:
         if grammar_num_drafts is None:
             raise LayoutError(
-                f"grammar_req_ids: request {missing[0].item()!r} is not in the batch and its drafts are unknown "
+                f"grammar_req_ids: request {missing[0]!r} is not in the batch and its drafts are unknown "
                 "(pass grammar_num_drafts)"
             )
-        ids = np.concatenate([ids, missing]) if n else missing
-        nd = np.concatenate([nd, draft_counts(list(missing.tolist()), grammar_num_drafts)])
-    layout = ScheduledLayout(ids, nd, np.ones(ids.shape[0], dtype=np.int64), num_bonus=num_bonus)
+        ids = ids + missing
+        nd = np.concatenate([nd, draft_counts(missing, grammar_num_drafts)])
+    layout = ScheduledLayout(ids, nd, np.ones(len(ids), dtype=np.int64), num_bonus=num_bonus)
     mapping = GrammarRows(gids).mapping(layout)
     return StepRows(layout, mapping, n)

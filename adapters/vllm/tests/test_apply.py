@@ -162,3 +162,27 @@ def test_patched_entry_points_route_to_maskplug(patched: object) -> None:
     worker.apply_grammar_bitmask(logits, batch, ["a", "b"], bitmask)
     assert torch.isfinite(logits[0]).tolist() == [c == 0 for c in range(32)]
     assert torch.isfinite(logits[1]).tolist() == [c == 3 for c in range(32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("regime", ["full", "partial", "zero"])
+def test_compacted_path_matches_vllm_triton_kernel_on_cuda(regime: str) -> None:
+    """On a GPU: the real ``StructuredOutputsWorker`` (CUDA streams, vLLM's Triton kernel) against
+    the same worker patched to maskplug, on device-side compacted offsets."""
+    rng = np.random.default_rng({"full": 31, "partial": 32, "zero": 33}[regime])
+    vllm_apply = patches.original(StructuredOutputsWorker, "apply_grammar_bitmask")
+    for _ in range(50):
+        _, batch, gids, bitmask, logits, num_bonus = _compacted_case(rng, regime)
+        worker = StructuredOutputsWorker(
+            max_num_logits=64 * (MAX_DRAFTS + num_bonus),
+            vocab_size=logits.shape[1],
+            device=torch.device("cuda"),
+            mask_stride=MAX_DRAFTS + num_bonus,
+            num_bonus_tokens=num_bonus,
+        )
+        batch.cu_num_logits = batch.cu_num_logits.cuda()
+        want, got = logits.cuda(), logits.cuda()
+        vllm_apply(worker, want, batch, gids, bitmask)
+        apply_compacted(worker, got, batch, gids, bitmask)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
