@@ -107,3 +107,24 @@ def test_python_dash_m_and_no_command() -> None:
     assert done.returncode == 0 and "maskplug" in done.stdout
     done = subprocess.run([sys.executable, "-m", "maskplug"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
+
+
+def test_a_broken_kernel_fails_selftest_and_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim_testkit import BrokenPlugin
+
+    from maskplug import reset_registry
+    from maskplug.plugins import get_registry
+
+    reset_registry()
+    try:
+        get_registry().add_plugin(BrokenPlugin(), "broken-for-test")
+        assert main(["selftest", "--cases", "9", "--json", "--no-progress"]) == 1
+        obj = json.loads(capsys.readouterr().out)
+        status = {c["name"]: c["status"] for c in obj["checks"]}
+        assert status["kernel broken-for-test on cpu"] == "FAILED"
+        assert status["kernel torch on cpu"] == "passed"
+        demo = [*SMALL, "--backend", "broken-for-test", "--scheduler", "verify-all", "--steps", "20"]
+        assert main(demo) == 1
+        assert "VIOLATIONS" in capsys.readouterr().out
+    finally:
+        reset_registry()

@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
+from sim_testkit import BrokenPlugin, simulation
 
 from maskplug import hookimpl, reset_registry
 from maskplug.plugins import get_registry
-from maskplug.sim import DEFAULT_SCHEDULERS, SimConfig, Simulation, Workload, default_cost_model, run_demo
-from maskplug.sim.models import TargetModel
-from maskplug.sim.tokenizers import load_tokenizer
+from maskplug.sim import DEFAULT_SCHEDULERS, SimConfig, run_demo
 
 
 def test_demo_small_is_valid_and_hits_every_regime() -> None:
@@ -47,22 +45,13 @@ class _Recorder:
         self.stats.append(dict(stats))
 
 
-def _simulation(cfg: SimConfig, scheduler: str) -> Simulation:
-    tok = load_tokenizer(cfg.tokenizer)
-    from maskplug.grammar import grammar_provider
-
-    work = Workload(cfg, tok, grammar_provider(cfg.provider, tok.vocab))
-    target = TargetModel(cfg.seed, tok.vocab.vocab_size, noise=cfg.noise, margin=cfg.margin)
-    return Simulation(cfg, scheduler, work, target, default_cost_model())
-
-
 def test_step_end_hook_sees_every_step() -> None:
     rec = _Recorder()
     reg = get_registry()
     reg.pm.register(rec, name="test-recorder")
     try:
         cfg = SimConfig(steps=6, concurrency=3, tokenizer="spm")
-        res = _simulation(cfg, "dspark").run()
+        res = simulation(cfg, "dspark").run()
     finally:
         reg.pm.unregister(rec)
     assert [s["step"] for s in rec.stats] == list(range(6))
@@ -70,35 +59,12 @@ def test_step_end_hook_sees_every_step() -> None:
     assert all(s["scheduler"] == "dspark" for s in rec.stats)
 
 
-class _SkipsEveryOtherRow:
-    """A broken kernel: applies only even mask rows (as a mapping bug would)."""
-
-    name = "broken-for-test"
-    priority = -100
-
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        return None
-
-    def apply(self, logits, bitmask, request, position, cu_logits, vocab_size, mask_tail) -> None:  # type: ignore[no-untyped-def]
-        from maskplug.kernels.torch_backend import TorchBackend
-
-        keep = torch.arange(bitmask.shape[0]) % 2 == 0
-        req = torch.where(keep, request, torch.full_like(request, -1))
-        TorchBackend().apply(logits, bitmask, req, position, cu_logits, vocab_size, mask_tail)
-
-
-class _BrokenPlugin:
-    @hookimpl
-    def maskplug_register_kernels(self, register: Any) -> None:
-        register(_SkipsEveryOtherRow())
-
-
 def test_a_broken_kernel_is_caught() -> None:
     reset_registry()
     try:
-        get_registry().add_plugin(_BrokenPlugin(), "broken-for-test")
+        get_registry().add_plugin(BrokenPlugin(), "broken-for-test")
         cfg = SimConfig(steps=25, concurrency=6, tokenizer="spm", backend="broken-for-test", tempt_rate=0.5)
-        res = _simulation(cfg, "verify-all").run()
+        res = simulation(cfg, "verify-all").run()
     finally:
         reset_registry()
     # The tempting forbidden tokens get through on unmasked rows: the checks see it.
@@ -112,7 +78,7 @@ def test_soak_10000_steps_a_third_at_budget_zero() -> None:
     cfg = SimConfig(
         steps=10_000, concurrency=4, drafts=3, tokenizer="spm", squeeze_every=3, max_batch_tokens=None, check_rows=1
     )
-    sim = _simulation(cfg, "grammar-aware:dspark")
+    sim = simulation(cfg, "grammar-aware:dspark")
     res = sim.run()
     assert res.violations == []
     assert res.invalid == 0, res.invalid_samples
