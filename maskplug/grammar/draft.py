@@ -2,10 +2,23 @@
 
 :func:`fill_draft_masks` walks every grammar request's drafts once, writing row
 ``p`` = the grammar's mask after accepting drafts ``0..p-1``, then rolls the
-matchers back to where they started. Matchers that offer batch operations
-(:class:`~maskplug.grammar.BatchOps`) are advanced position by position, all
-requests of one provider in one call per position; the others run one request
-at a time, on a thread pool when their engine releases the GIL.
+matchers back to where they started. Matchers whose batch operations offer
+``fill_chains`` (below) hand over every request's whole draft chain in one
+call; matchers with plain batch operations (:class:`~maskplug.grammar.BatchOps`)
+are advanced position by position, all requests of one provider in one call
+per position; the others run one request at a time, on a thread pool when
+their engine releases the GIL.
+
+The optional chain operation, ``batch_ops.fill_chains(matchers, bitmask,
+rows, drafts, threads=n) -> list[int]``: for each live (not terminated)
+matcher ``i``, starting from its current state, row ``rows[i] + p`` is the
+mask after accepting ``drafts[i][:p]``, for every ``p`` up to the number of
+drafts it accepts, ``a_i``, which it returns. The walk stops at the first
+draft the matcher refuses (that draft's row is written, later ones are not)
+and after an accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is
+not written). Matchers end in the state they started in, also on error. It
+lets an engine do in one native call (or without touching the matcher's
+state at all) what the generic walk does with one Python call per row.
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from .base import Matcher, check_bitmask
 __all__ = ["commit", "fill_draft_masks"]
 
 IntArray = npt.NDArray[np.int64]
-_STRATEGIES = ("auto", "batch", "threads", "serial")
+_STRATEGIES = ("auto", "chains", "batch", "threads", "serial")
 
 
 def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
@@ -70,6 +83,15 @@ def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple
         raise LayoutError(f"drafts: expected one token sequence per grammar request, got {type(drafts).__name__}")
     if len(drafts) != idx.shape[0]:
         raise LayoutError(f"drafts: expected {idx.shape[0]} sequences (one per grammar request), got {len(drafts)}")
+    if width and bool(np.all(nd == width)) and all(isinstance(x, list) for x in drafts):
+        # The common case (equal-length lists of ints) converts in one call.
+        try:
+            block = np.array(drafts)
+        except (ValueError, TypeError, OverflowError):
+            block = None
+        if block is not None and block.shape == out.shape and block.dtype.kind in "iu":
+            out[:] = block
+            return out, nd
     for g, d in enumerate(drafts):
         a = np.asarray(d.detach().cpu().numpy() if isinstance(d, torch.Tensor) else d)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
@@ -95,19 +117,31 @@ def _gate(active_from: Any, g: int) -> IntArray:
 
 
 def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArray[np.bool_]:
-    """Whether each listed bitmask row allows exactly one token (vectorised, no copy of the rows)."""
+    """Whether each listed bitmask row allows exactly one token (vectorised, no copy of the rows).
+
+    A row allows one token iff the OR of its words is a power of two and only
+    one word is non-zero. The OR pass is cheap (no temporary the size of the
+    rows); the word count runs on the few candidate rows only.
+    """
     words = bitmask.numpy()[:total]
     # Wider words halve the scan when the row width allows it.
     words = words.view(np.uint64) if words.shape[1] % 2 == 0 else words.view(np.uint32)
-    nz = np.count_nonzero(words, axis=1)[rows]
-    one = nz == 1
-    if np.any(one):
-        v = words[rows[one]].max(axis=1)
-        single = np.zeros_like(one)
-        single[one] = (v & (v - v.dtype.type(1))) == 0
-        return single
-    return one
+    # Reducing every row in place is cheaper than gathering most of them first.
+    ors = (
+        np.bitwise_or.reduce(words, axis=1)[rows]
+        if 2 * rows.shape[0] >= total
+        else np.bitwise_or.reduce(words[rows], axis=1)
+    )
+    one = ors.dtype.type(1)
+    cand = (ors != 0) & ((ors & (ors - one)) == 0)
+    if np.any(cand):
+        ci = np.flatnonzero(cand)
+        cand[ci] = np.count_nonzero(words[rows[ci]], axis=1) == 1
+    return cand
 
+
+# os.cpu_count() is a system call; the answer does not change while running.
+_DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
@@ -126,11 +160,14 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 class _Walk:
     """The shared state of one fill: which requests still advance and what they accepted."""
 
-    def __init__(self, g: int, nd: IntArray) -> None:
+    def __init__(self, g: int, nd: IntArray, total: int = 0) -> None:
         self.alive = np.ones(g, dtype=bool)
         self.accepted = np.zeros(g, dtype=np.int64)
         self.acceptable = nd.copy()
         self.filled = np.zeros((g, 0), dtype=bool)
+        # Single-token flags a chain operation reported, per bitmask row, and which rows have one.
+        self.row_forced = np.zeros(total, dtype=bool)
+        self.known = np.zeros(total, dtype=bool)
 
 
 def _walk_batched(
@@ -171,6 +208,57 @@ def _walk_batched(
             w.acceptable[s] = p + 1
 
 
+def _walk_chains(
+    ops: Any,
+    members: list[int],
+    matchers: Sequence[Matcher],
+    d: IntArray,
+    nd: IntArray,
+    need: IntArray,
+    gate: IntArray,
+    row0: IntArray,
+    eos: Sequence[frozenset[int]],
+    bitmask: torch.Tensor,
+    threads: int,
+    w: _Walk,
+) -> None:
+    """One ``fill_chains`` call for all members; the walk's bookkeeping is derived from its counts."""
+    drafts = [d[g, gate[g] : nd[g]].tolist() if gate[g] < nd[g] else [] for g in members]
+    starts = [int(row0[g] + gate[g]) for g in members]
+    reports = bool(getattr(ops, "fills_forced", False))
+    kw: dict[str, Any] = {"threads": threads}
+    if reports:
+        kw["forced"] = w.row_forced
+    took = ops.fill_chains([matchers[g] for g in members], bitmask, starts, drafts, **kw)
+    if len(took) != len(members):
+        raise GrammarError(f"fill_chains: expected {len(members)} accepted counts, got {len(took)}")
+    for g, a, ds in zip(members, took, drafts, strict=True):
+        a = int(a)
+        if not 0 <= a <= len(ds):
+            raise GrammarError(f"fill_chains: expected an accepted count in [0, {len(ds)}], got {a}")
+        lo = int(gate[g])
+        stopped = a > 0 and ds[a - 1] in eos[g]
+        r0 = int(row0[g])
+        if stopped or a < len(ds):
+            # Stopped after an accepted stop token, or refused drafts[g][lo + a].
+            w.acceptable[g] = lo + a
+            hi = lo + a if not stopped else lo + a - 1
+            w.filled[g, lo : hi + 1] = True
+            if reports:
+                w.known[r0 + lo : r0 + hi + 1] = True
+        else:
+            # Every draft taken: the remaining rows (bonus rows) all hold the final state's mask.
+            last = lo + a
+            end = int(need[g])
+            w.filled[g, lo:end] = True
+            r = r0 + last
+            if end - 1 > last:
+                bitmask[r + 1 : r0 + end] = bitmask[r]
+                w.row_forced[r + 1 : r0 + end] = w.row_forced[r]
+            if reports:
+                w.known[r0 + lo : r0 + end] = True
+
+
 def _walk_one(
     g: int,
     m: Matcher,
@@ -200,9 +288,17 @@ def _walk_one(
             return
 
 
-def _eos_of(m: Matcher) -> frozenset[int]:
-    vocab = getattr(m, "vocab", None)
-    return frozenset(vocab.eos_ids) if vocab is not None else frozenset()
+def _eos_sets(vocabs: Sequence[Any]) -> list[frozenset[int]]:
+    """Each matcher's stop ids (one set per distinct vocabulary)."""
+    sets: dict[int, frozenset[int]] = {}
+    out = []
+    for v in vocabs:
+        e = sets.get(id(v))
+        if e is None:
+            e = frozenset(v.eos_ids) if v is not None else frozenset()
+            sets[id(v)] = e
+        out.append(e)
+    return out
 
 
 def fill_draft_masks(
@@ -244,12 +340,14 @@ def fill_draft_masks(
             are not grammar text) and active from it (row ``active_from`` is
             the matcher's current mask). A value past the window leaves every
             row all-allowed.
-        strategy: ``"auto"`` (a provider's batch operations where it has
-            them, else request by request on a thread pool when the engine
-            releases the GIL), ``"batch"`` (the same), ``"threads"`` (request
-            by request on the pool even where batch operations exist) or
-            ``"serial"`` (request by request on the calling thread). Every
-            strategy writes the same rows.
+        strategy: ``"auto"`` (a provider's chain operation where it has
+            one, else its batch operations, else request by request on a
+            thread pool when the engine releases the GIL), ``"chains"`` (the
+            same), ``"batch"`` (position-major batch operations even where a
+            chain operation exists), ``"threads"`` (request by request on the
+            pool even where batch operations exist) or ``"serial"`` (request
+            by request on the calling thread). Every strategy writes the same
+            rows.
 
     Returns:
         :class:`DraftMasks` with the batch index, the drafts the grammar
@@ -286,38 +384,57 @@ def fill_draft_masks(
             raise GrammarError(
                 f"bitmask: expected a 2-D tensor with at least {total} rows, got {type(bitmask).__name__}"
             )
+        # One vectorised range check per distinct vocabulary (usually one).
+        by_vocab: dict[int, tuple[Any, list[int]]] = {}
         for g, v in enumerate(vocabs):
-            if v is not None and v0 is not None and v.mask_words != v0.mask_words:
+            if v is not None:
+                by_vocab.setdefault(id(v), (v, []))[1].append(g)
+        cols = np.arange(d.shape[1])
+        for v, members in by_vocab.values():
+            mem = np.asarray(members, dtype=np.int64)
+            if v0 is not None and v.mask_words != v0.mask_words:
                 raise GrammarError(
-                    f"matchers[{g}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
+                    f"matchers[{members[0]}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
                     f"got {v.mask_words}"
                 )
-            if v is not None and nd[g]:
-                row = d[g, : nd[g]]
-                bad = (row < 0) | (row >= v.vocab_size)
-                if np.any(bad):
-                    p = int(np.argmax(bad))
-                    raise GrammarError(
-                        f"drafts[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(row[p])}"
-                    )
+            sub = d[mem]
+            bad = (cols[None, :] < nd[mem][:, None]) & ((sub < 0) | (sub >= v.vocab_size))
+            if np.any(bad):
+                i, p = np.argwhere(bad)[0]  # row-major: the first request, then the first position
+                raise GrammarError(
+                    f"drafts[{int(mem[i])}][{int(p)}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
+                )
 
-    walk = _Walk(g_count, nd)
+    walk = _Walk(g_count, nd, total)
     walk.filled = np.zeros((g_count, int(need.max()) if g_count else 0), dtype=bool)
-    eos = [_eos_of(m) for m in ms]
-    n_threads = min(8, os.cpu_count() or 1) if threads is None else int(threads)
+    eos = _eos_sets(vocabs)
+    n_threads = _DEFAULT_THREADS if threads is None else int(threads)
 
     # Group requests by their provider's batch operations; "threads" (or a
     # provider without batch operations) walks request by request instead.
+    # Chains take live matchers whose window reaches the grammar; the rest
+    # (terminated, or gated past the window) cost nothing on the generic walk.
     groups: dict[int, tuple[Any, list[int]]] = {}
+    chains: dict[int, tuple[Any, list[int]]] = {}
     single: list[int] = []
     for g, m in enumerate(ms):
-        ops = getattr(m, "batch_ops", None) if strategy in ("auto", "batch") else None
-        if ops is None:
+        ops = getattr(m, "batch_ops", None) if strategy in ("auto", "chains", "batch") else None
+        if (
+            ops is not None
+            and strategy != "batch"
+            and hasattr(ops, "fill_chains")
+            and gate[g] < need[g]
+            and not m.is_terminated()
+        ):
+            chains.setdefault(id(ops), (ops, []))[1].append(g)
+        elif ops is None:
             single.append(g)
         else:
             groups.setdefault(id(ops), (ops, []))[1].append(g)
 
     try:
+        for ops, members in chains.values():
+            _walk_chains(ops, members, ms, d, nd, need, gate, row0, eos, bitmask, n_threads, walk)
         for ops, members in groups.values():
             _walk_batched(ops, np.asarray(members, dtype=np.int64), ms, d, nd, need, gate, row0, eos, bitmask, walk)
         if single:
@@ -363,7 +480,12 @@ def fill_draft_masks(
             # numpy's fancy assignment: torch's index_fill_ is ~80x slower on CPU here.
             bitmask.numpy()[np.flatnonzero(blank)] = -1
     if gi.size:
-        forced[gi, pi] = _forced_rows(bitmask, total, filled_rows)
+        known = walk.known[filled_rows]
+        flags = walk.row_forced[filled_rows] & known
+        if not np.all(known):
+            unknown = np.flatnonzero(~known)
+            flags[unknown] = _forced_rows(bitmask, total, filled_rows[unknown])
+        forced[gi, pi] = flags
     return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
 
 

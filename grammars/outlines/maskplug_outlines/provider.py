@@ -22,6 +22,13 @@ What this module normalises, so callers see maskplug's matcher semantics:
   ``ceil(vocab_size / 32)``-word row, so every id below ``vocab_size`` fits.
 * **Special tokens** (and empty or padding tokens) are left out of the
   engine's vocabulary, so they are never allowed.
+
+Mask rows are cached per automaton state (:class:`MaskCache`): a row depends
+on the state alone, and a grammar's walks revisit the same states all the
+time (inside a JSON string, between digits, after a key), so a fill is mostly
+a 16 KiB copy instead of the engine's walk over every allowed token.
+:class:`OutlinesBatchOps` uses the same cache to write many rows with one
+numpy copy.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
@@ -38,10 +47,24 @@ from outlines_core.json_schema import build_regex_from_schema
 from maskplug import GrammarError
 from maskplug.grammar.base import GrammarSpec, MatcherBase, ProviderBase, Vocab
 
-__all__ = ["OutlinesGrammar", "OutlinesMatcher", "OutlinesProvider", "choice_regex", "grammar_text_ids"]
+__all__ = [
+    "MaskCache",
+    "OutlinesBatchOps",
+    "OutlinesGrammar",
+    "OutlinesMatcher",
+    "OutlinesProvider",
+    "choice_regex",
+    "grammar_text_ids",
+]
 
 # Draft windows are a handful of tokens; deeper rollbacks rebuild the guide.
 _MAX_ROLLBACK = 64
+
+# Default bound of each grammar's mask cache: 2,048 rows at a 131k vocabulary.
+# Pages are only touched as states are cached.
+DEFAULT_MASK_CACHE_BYTES = 32 << 20
+# Bound of each grammar's transition memo (about 100 bytes an entry).
+_MAX_TRANSITIONS = 1 << 17
 
 # Characters with a meaning in outlines-core's (Rust regex-syntax) patterns.
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~ ")
@@ -79,14 +102,97 @@ def _schema_text(source: Any) -> str:
     raise GrammarError(f"spec.source: expected a JSON schema as a dict or str, got {type(source).__name__}")
 
 
+def single_token(row: npt.NDArray[np.int32]) -> bool:
+    """Whether a mask row allows exactly one token."""
+    nz = np.flatnonzero(row)
+    if nz.size != 1:
+        return False
+    w = int(row[nz[0]]) & 0xFFFFFFFF
+    return w & (w - 1) == 0
+
+
+class MaskCache:
+    """Normalised mask rows of one grammar, keyed by automaton state; bounded.
+
+    A row is written once, straight from the engine into a slot of a
+    preallocated block, and published (put in the state map) only after it is
+    complete, so lookups need no lock. When the block is full a new
+    generation (fresh map and block) starts; readers that still hold the old
+    one keep reading valid rows. ``capacity == 0`` disables caching. Each
+    slot also records whether its row restricts anything and whether it
+    allows exactly one token.
+    """
+
+    def __init__(self, words: int, capacity: int) -> None:
+        self.words = words
+        self.capacity = max(0, int(capacity))
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self._new_generation()
+
+    def _new_generation(self) -> None:
+        # np.empty reserves address space only; a page is touched when a row is written.
+        self.generation: tuple[dict[int, int], npt.NDArray[np.int32], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] = (
+            {},
+            np.empty((self.capacity, self.words), dtype=np.int32),
+            np.zeros(self.capacity, dtype=bool),
+            np.zeros(self.capacity, dtype=bool),
+        )
+
+    def lookup(self, matcher: OutlinesMatcher) -> tuple[npt.NDArray[np.int32], int, bool] | None:
+        """``(block, slot, restricts)`` of the row for ``matcher``'s current state (computed on a miss).
+
+        None when caching is disabled.
+        """
+        if not self.capacity:
+            return None
+        state = matcher._guide.get_state()
+        slots, block, restricts, _ = self.generation
+        slot = slots.get(state)
+        if slot is not None:
+            self.hits += 1
+            return block, slot, bool(restricts[slot])
+        with self._lock:
+            slots, block, restricts, forced = self.generation
+            slot = slots.get(state)
+            if slot is None:
+                self.misses += 1
+                if len(slots) >= self.capacity:
+                    self._new_generation()
+                    slots, block, restricts, forced = self.generation
+                slot = len(slots)
+                row = block[slot]
+                matcher._write_engine_row(row)
+                restricts[slot] = not bool((row == -1).all())
+                forced[slot] = single_token(row)
+                slots[state] = slot  # published last: the row is complete
+            return block, slot, bool(restricts[slot])
+
+    def forced_of(self, block: npt.NDArray[np.int32], slots: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """The single-token flags of ``slots`` of ``block`` (any generation still referenced)."""
+        gen = self.generation
+        if gen[1] is block:
+            return gen[3][slots]
+        return np.array([single_token(block[s]) for s in slots.tolist()], dtype=bool)
+
+    def __len__(self) -> int:
+        return len(self.generation[0])
+
+
 class OutlinesGrammar:
-    """A grammar compiled by outlines-core: the regex it became and its token ``Index``."""
+    """A grammar compiled by outlines-core: the regex it became, its token ``Index`` and mask cache."""
 
     def __init__(self, provider: OutlinesProvider, spec: GrammarSpec, regex: str, index: Index) -> None:
         self.provider = provider
         self.spec = spec
         self.regex = regex
         self.index = index
+        words = provider.vocab.mask_words
+        self.masks = MaskCache(words, provider.mask_cache_bytes // (words * 4))
+        # (state, token) -> next state (-1: refused), filled by the draft walks:
+        # a dict lookup costs a tenth of a call into the engine.
+        self.transitions: dict[int, int] = {}
 
     def matcher(self) -> OutlinesMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -102,7 +208,9 @@ class OutlinesMatcher(MatcherBase):
     def __init__(self, grammar: OutlinesGrammar) -> None:
         super().__init__(grammar.provider.vocab)
         self.grammar = grammar
+        self.batch_ops = grammar.provider.batch_ops
         self._index = grammar.index
+        self._masks = grammar.masks
         self._guide = Guide(grammar.index, max_rollback=_MAX_ROLLBACK)
         self._tokens: list[int] = []
         self._extra_stops = grammar.provider._extra_stop_row
@@ -132,13 +240,24 @@ class OutlinesMatcher(MatcherBase):
         self._guide = guide
         self._tokens = list(tokens)
 
-    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+    def _write_engine_row(self, out: npt.NDArray[np.int32]) -> None:
+        """The engine's row for the current state, normalised, into ``out`` (one contiguous row)."""
         words = self.vocab.mask_words
         # The full row width, never the engine's entry count: ids up to
-        # vocab_size - 1 must all fit (check_bitmask guaranteed the width).
-        self._guide.write_mask_into(bitmask.data_ptr() + row * words * 4, words, 4)
+        # vocab_size - 1 must all fit.
+        self._guide.write_mask_into(out.ctypes.data, words, 4)
         if self._extra_stops is not None and self._guide.is_finished():
-            bitmask[row] |= self._extra_stops
+            np.bitwise_or(out, self._extra_stops.numpy(), out=out)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        hit = self._masks.lookup(self)
+        target = bitmask.numpy()[row]
+        if hit is None:
+            self._write_engine_row(target)
+            return not bool((target == -1).all())
+        block, slot, restricts = hit
+        target[:] = block[slot]
+        return restricts
 
     def _is_complete(self) -> bool:
         return bool(self._guide.is_finished())
@@ -170,6 +289,168 @@ class OutlinesMatcher(MatcherBase):
         return len(self._tokens) + int(self._terminated)
 
 
+class _Pending:
+    """Rows of one batch call: cached rows to copy (grouped by cache block) and rows written directly."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, tuple[MaskCache, npt.NDArray[np.int32], list[int], list[int]]] = {}
+        self.direct: list[int] = []
+
+    def add(self, cache: MaskCache, block: npt.NDArray[np.int32], rows: list[int], slots: list[int | None]) -> None:
+        group = self.groups.get(id(block))
+        if group is None:
+            group = self.groups[id(block)] = (cache, block, [], [])
+        group[2].extend(rows)
+        group[3].extend(slots)  # type: ignore[arg-type]  # callers pass found slots only
+
+    def write(self, bitmask: torch.Tensor, forced: npt.NDArray[np.bool_] | None = None) -> None:
+        """One gather per cache block; a block of an older generation is still valid."""
+        bm = bitmask.numpy()
+        for cache, block, rows, slots in self.groups.values():
+            r = np.asarray(rows, dtype=np.int64)
+            sl = np.asarray(slots, dtype=np.int64)
+            bm[r] = block[sl]
+            if forced is not None:
+                forced[r] = cache.forced_of(block, sl)
+        if forced is not None:
+            for row in self.direct:
+                forced[row] = single_token(bm[row])
+
+
+class OutlinesBatchOps:
+    """Batch operations over outlines-core matchers (see :class:`maskplug.grammar.BatchOps`).
+
+    Every row comes from the grammars' :class:`MaskCache`, so many rows are
+    written by one numpy copy; ``fill_chains`` walks each request's drafts
+    once and writes all its draft rows the same way.
+    """
+
+    # fill_chains reports which rows allow exactly one token.
+    fills_forced = True
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self._eos = frozenset(vocab.eos_ids)
+        self._special = vocab.special_ids
+        self._n_tokens = len(vocab.tokens)
+
+    def _row(self, m: OutlinesMatcher, bitmask: torch.Tensor, row: int, pending: _Pending) -> None:
+        hit = m._masks.lookup(m)
+        if hit is None:
+            m._write_engine_row(bitmask.numpy()[row])
+            pending.direct.append(row)
+        else:
+            pending.add(m._masks, hit[0], [row], [hit[1]])
+
+    def fill(self, matchers: Sequence[MatcherBase], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the bitmask was already checked)."""
+        pending = _Pending()
+        for m, r in zip(matchers, rows, strict=True):
+            if not isinstance(m, OutlinesMatcher) or m.is_terminated():
+                m.fill(bitmask, int(r))
+            else:
+                self._row(m, bitmask, int(r), pending)
+        pending.write(bitmask)
+
+    def accept(self, matchers: Sequence[MatcherBase], tokens: Sequence[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for all ``i``."""
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Sequence[MatcherBase], counts: Sequence[int]) -> None:
+        """``matchers[i].rollback(counts[i])`` for all ``i``."""
+        for m, k in zip(matchers, counts, strict=True):
+            if int(k):
+                m.rollback(int(k))
+
+    def fill_chains(
+        self,
+        matchers: Sequence[MatcherBase],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        threads: int | None = None,
+        forced: npt.NDArray[np.bool_] | None = None,
+    ) -> list[int]:
+        """Write each request's draft rows in one walk; return how many drafts each accepts.
+
+        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` for every ``p``
+        up to the accepted count ``a``; after an accepted stop token row
+        ``rows[i] + a`` is not written. Matchers end where they started.
+        ``threads`` is ignored: the walk holds the GIL and is mostly cache
+        lookups. When ``forced`` (one flag per bitmask row) is given, the
+        flag of every written row is set to whether it allows exactly one
+        token (known per cached state, so no scan of the rows is needed).
+        """
+        pending = _Pending()
+        out: list[int] = []
+        eos, special, n_tokens = self._eos, self._special, self._n_tokens
+        for m, r0, d in zip(matchers, rows, drafts, strict=True):
+            if not isinstance(m, OutlinesMatcher) or m.is_terminated():
+                raise GrammarError("matchers: fill_chains expects live outlines-core matchers")
+            d = [int(t) for t in d] if not isinstance(d, list) else d
+            # The walk follows the automaton's transitions without moving the
+            # guide: nothing to roll back, and a row is a cache lookup by state.
+            step = m._index.get_next_state
+            memo = m.grammar.transitions
+            if len(memo) > _MAX_TRANSITIONS:
+                memo.clear()
+            state = m._guide.get_state()
+            states = [state]
+            stopped = False
+            for t in d:
+                if t in special or t >= n_tokens:
+                    # The stop token is never given to the engine (see the module notes).
+                    stopped = t in eos and bool(m._index.is_final_state(state))
+                    break
+                key = state * n_tokens + t
+                nxt = memo.get(key)
+                if nxt is None:
+                    found = step(state, t)
+                    nxt = -1 if found is None else found
+                    memo[key] = nxt
+                if nxt < 0:
+                    break
+                state = nxt
+                states.append(state)
+            r0 = int(r0)
+            cache = m._masks
+            slots, block, _, _ = cache.generation
+            hits = [slots.get(st) for st in states] if cache.capacity else [None] * len(states)
+            if None not in hits:
+                cache.hits += len(hits)
+                pending.add(cache, block, list(range(r0, r0 + len(hits))), hits)
+            else:
+                for p, slot in enumerate(hits):
+                    if slot is not None:
+                        cache.hits += 1
+                        pending.add(cache, block, [r0 + p], [slot])
+                    else:
+                        self._row_after(m, d[:p], bitmask, r0 + p, pending)
+            out.append(len(states) - 1 + int(stopped))
+        pending.write(bitmask, forced)
+        return out
+
+    def _row_after(
+        self,
+        m: OutlinesMatcher,
+        prefix: Sequence[int],
+        bitmask: torch.Tensor,
+        row: int,
+        pending: _Pending,
+    ) -> None:
+        """A cache miss inside a chain: move the guide along ``prefix`` (all accepted), fill, move it back."""
+        took = 0
+        try:
+            for t in prefix:
+                if not m._accept(int(t)):
+                    raise GrammarError(f"outlines-core: the guide refused draft {int(t)} its automaton accepts")
+                took += 1
+            self._row(m, bitmask, row, pending)
+        finally:
+            if took:
+                m._rollback(took)
+
+
 class OutlinesProvider(ProviderBase):
     """outlines-core bound to one :class:`~maskplug.grammar.Vocab`.
 
@@ -179,13 +460,20 @@ class OutlinesProvider(ProviderBase):
     seconds to build (9 s on a 32k vocabulary here), so all three are refused
     with :class:`GrammarError`. JSON schemas become outlines-core's regex,
     which allows an optional single space between items.
+
+    ``mask_cache_bytes`` bounds each compiled grammar's :class:`MaskCache`
+    (``0`` turns it off: every fill asks the engine).
     """
 
     name = "outlines-core"
     kinds = frozenset({"regex", "json_schema", "choice"})
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: Vocab, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
         super().__init__(vocab)
+        if isinstance(mask_cache_bytes, bool) or not isinstance(mask_cache_bytes, int) or mask_cache_bytes < 0:
+            raise GrammarError(f"mask_cache_bytes: expected an int >= 0, got {mask_cache_bytes!r}")
+        self.mask_cache_bytes = mask_cache_bytes
+        self.batch_ops = OutlinesBatchOps(vocab)
         self._engine_vocab: Vocabulary | None = None
         self._vocab_lock = threading.Lock()
         # outlines-core sets the bit of its single EOS id in final states;
