@@ -167,6 +167,35 @@ class Workload:
         self.provider = provider
         self.schemas = load_schemas(config.schema_dir)
         self._cache: dict[int, _Prepared] = {}
+        self._by_bytes: dict[bytes, int] | None = None
+        self._longest = 0
+
+    def _guided(self, text: str, matcher: Any) -> list[int] | None:
+        """Tokenise ``text`` greedily (longest token first) among the tokens the grammar allows."""
+        if self._by_bytes is None:
+            vocab = self.tok.vocab
+            self._by_bytes = {}
+            for i, t in enumerate(vocab.tokens):
+                if t and i not in vocab.special_ids:
+                    self._by_bytes.setdefault(t, i)
+            self._longest = max(len(t) for t in self._by_bytes)
+        raw = text.encode("utf-8")
+        bm = self.tok.vocab.new_bitmask(1)
+        ids: list[int] = []
+        pos = 0
+        while pos < len(raw):
+            matcher.fill(bm, 0)
+            words = bm[0].numpy()
+            for n in range(min(self._longest, len(raw) - pos), 0, -1):
+                tid = self._by_bytes.get(raw[pos : pos + n])
+                if tid is not None and (int(words[tid >> 5]) >> (tid & 31)) & 1 and matcher.accept(tid):
+                    ids.append(tid)
+                    pos += n
+                    break
+            else:
+                return None
+        eos = self.tok.eos
+        return [*ids, eos] if matcher.accept(eos) else None
 
     def get(self, index: int) -> _Prepared:
         """Request ``index``: the reference is the first serialisation its grammar accepts."""
@@ -186,6 +215,10 @@ class Workload:
                 if compiled.matcher().validate(cand) == len(cand):
                     ids = cand
                     break
+            if ids is None:
+                # Some providers accept only certain tokenisations of forced text
+                # (llguidance keeps it canonical): let the grammar pick the split.
+                ids = self._guided(texts[0], compiled.matcher())
             if ids is None:
                 raise GrammarError(
                     f"workload: no serialisation of request {index}'s {spec.name} reference is accepted by "
