@@ -89,3 +89,16 @@ def test_soak_10000_steps_a_third_at_budget_zero() -> None:
     assert res.admitted == res.valid + res.invalid + res.cut_off + res.in_flight
     assert res.tokens == res.finished_tokens + sum(len(a.output) for a in sim.active)
     assert res.valid > 100
+
+
+@pytest.mark.parametrize("provider", ["xgrammar", "outlines-core", "llguidance"])
+def test_every_provider_serves_the_demo(provider: str) -> None:
+    from maskplug.grammar import grammar_providers
+
+    if provider not in grammar_providers():
+        pytest.skip(f"grammar provider {provider!r} is not installed")
+    cfg = SimConfig(steps=10, concurrency=4, tokenizer="spm", provider=provider)
+    rep = run_demo(cfg, ["grammar-aware:dspark"], progress=False)
+    r = rep.results["grammar-aware:dspark"]
+    assert r.violations == [] and r.invalid == 0, (r.violations, r.invalid_samples)
+    assert r.tokens > 10 * 4
