@@ -27,7 +27,7 @@ __all__ = ["MaskplugBackend", "MaskplugGrammar", "provider_for", "spec_from_vllm
 logger = logging.getLogger(__name__)
 
 # vLLM's backend names and the maskplug provider that does the same job.
-_VLLM_TO_PROVIDER = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines"}
+_VLLM_TO_PROVIDER = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines-core"}
 
 
 def provider_for(vllm_backend: str | None) -> str:

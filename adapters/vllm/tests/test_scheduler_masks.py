@@ -253,6 +253,9 @@ def test_unknown_provider_is_refused_with_the_registered_names(monkeypatch: pyte
         provider_for("xgrammar")
     monkeypatch.delenv("MASKPLUG_VLLM_PROVIDER")
     assert provider_for("xgrammar") == "xgrammar"
+    # vLLM's "guidance" maps to maskplug's llguidance provider, which this environment lacks.
+    with pytest.raises(PluginError, match=r"got 'llguidance'.*maskplug-llguidance"):
+        provider_for("guidance")
 
 
 def test_schemas_folder_holds_the_shared_schemas() -> None:
