@@ -7,6 +7,10 @@ the matchers where they started, and the rows are checked identical. Then a
 random verification outcome is committed so the next step starts elsewhere in
 the grammar, as in serving.
 
+Each producer's wall time and CPU time (all threads of the process) are
+recorded per step: on a shared machine the wall time depends on what else
+runs, the CPU time much less; the load average is printed with the results.
+
     .venv/bin/python benchmarks/draft_rows.py [--steps 40] [--requests 64] [--drafts 7] [--json]
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -108,6 +113,7 @@ def bench_provider(name: str, v: Vocab, args: argparse.Namespace) -> dict[str, A
     producers = ["sequential"] + [f"fill_draft_masks[{st}]" for st in args.strategies.split(",") if st]
     masks = {p: v.new_bitmask(total) for p in producers}
     times: dict[str, list[float]] = {p: [] for p in producers}
+    cpu: dict[str, list[float]] = {p: [] for p in producers}
     for step in range(args.warmup + args.steps):
         drafts = []
         for m in matchers:
@@ -119,7 +125,7 @@ def bench_provider(name: str, v: Vocab, args: argparse.Namespace) -> dict[str, A
         # Rotate the order so no producer always runs first (warm caches favour the second).
         shift = step % len(producers)
         for which in producers[shift:] + producers[:shift]:
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             if which == "sequential":
                 sequential(matchers, drafts, masks[which], bonus)
             else:
@@ -127,9 +133,10 @@ def bench_provider(name: str, v: Vocab, args: argparse.Namespace) -> dict[str, A
                 out = fill_draft_masks(
                     matchers, drafts, masks[which], rows, layout, threads=args.threads, strategy=strategy
                 )
-            dt = time.perf_counter() - start
+            dt, dc = time.perf_counter() - start, time.process_time() - cpu0
             if step >= args.warmup:
                 times[which].append(dt)
+                cpu[which].append(dc)
         for which in producers[1:]:
             if not torch.equal(masks["sequential"], masks[which]):
                 raise SystemExit(f"{name}: {which} disagrees with the sequential loop at step {step}")
@@ -147,19 +154,21 @@ def bench_provider(name: str, v: Vocab, args: argparse.Namespace) -> dict[str, A
             if m.is_terminated():
                 m.reset()
 
-    def summary(ts: list[float]) -> dict[str, float]:
+    def summary(ts: list[float], cs: list[float]) -> dict[str, float]:
         arr = np.array(ts) * 1e3
         return {
             "rows_per_s": total / float(np.mean(arr) / 1e3),
             "p50_ms": float(np.percentile(arr, 50)),
             "p99_ms": float(np.percentile(arr, 99)),
+            "cpu_ms_mean": float(np.mean(cs) * 1e3),
         }
 
-    stats = {p: summary(times[p]) for p in producers}
+    stats = {p: summary(times[p], cpu[p]) for p in producers}
     base = stats["sequential"]
     for p in producers:
         stats[p]["speedup_p50"] = base["p50_ms"] / stats[p]["p50_ms"]
         stats[p]["speedup_rows_per_s"] = stats[p]["rows_per_s"] / base["rows_per_s"]
+        stats[p]["speedup_cpu"] = base["cpu_ms_mean"] / stats[p]["cpu_ms_mean"]
     return {"provider": name, "grammars": len(sp), "compile_s": compile_s, "producers": stats}
 
 
@@ -170,27 +179,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--drafts", type=int, default=7)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--strategies", default="auto,threads,serial", help="fill_draft_masks strategies to measure")
+    ap.add_argument("--strategies", default="auto,batch,threads,serial", help="fill_draft_masks strategies to measure")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--providers", default=",".join(list_providers()))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     v = mistral_tekken()
     results = []
+    load0 = os.getloadavg()
     for name in [p for p in args.providers.split(",") if p]:
         print(f"[{name}] compiling and running {args.steps} steps ...", file=sys.stderr, flush=True)
         results.append(bench_provider(name, v, args))
+    load1 = os.getloadavg()
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps({"load_average": [load0, load1], "cpus": os.cpu_count(), "results": results}, indent=2))
         return 0
     rows = args.requests * (args.drafts + 1)
     print(f"{args.requests} grammar requests x {args.drafts + 1} rows = {rows} rows/step, vocab {v.vocab_size}")
-    print(f"{'provider':<14}{'producer':<28}{'rows/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'speedup':>9}")
+    print(
+        f"{os.cpu_count()} CPUs; load average (1/5/15 min) before {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f}, "
+        f"after {load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f}"
+    )
+    head = f"{'provider':<14}{'producer':<28}{'rows/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'speedup':>9}"
+    print(head + f"{'CPU ms':>9}{'CPU x':>8}")
     for r in results:
         for label, st in r["producers"].items():
             sp = f"{st['speedup_p50']:.2f}x"
+            cx = f"{st['speedup_cpu']:.2f}x"
             print(
                 f"{r['provider']:<14}{label:<28}{st['rows_per_s']:>10.0f}{st['p50_ms']:>9.2f}{st['p99_ms']:>9.2f}{sp:>9}"
+                f"{st['cpu_ms_mean']:>9.2f}{cx:>8}"
             )
     return 0
 

@@ -28,7 +28,9 @@ What this module normalises, so callers see maskplug's matcher semantics:
   mask rows are exactly ``ceil(vocab_size/32)`` words and never allow them;
   stop ids are allowed exactly when the text is complete.
 * **Batch fills** run on llguidance's ``LLExecutor`` thread pool without the
-  GIL (:class:`LLGuidanceBatchOps`).
+  GIL (:class:`LLGuidanceBatchOps`); whole draft chains are walked request by
+  request straight on the engines, writing each row in place, on a small
+  thread pool (:meth:`LLGuidanceBatchOps.fill_chains`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import numpy as np
@@ -208,6 +211,20 @@ class LLGuidanceMatcher(MatcherBase):
         return len(self._tokens) + int(self._terminated)
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-llguidance")
+            _POOLS[workers] = pool
+        return pool
+
+
 class LLGuidanceBatchOps:
     """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
 
@@ -289,6 +306,91 @@ class LLGuidanceBatchOps:
         for m, k in zip(matchers, counts, strict=True):
             if int(k):
                 m.rollback(int(k))
+
+    def fill_chains(
+        self,
+        matchers: Sequence[Matcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        threads: int | None = None,
+    ) -> list[int]:
+        """Walk each request's drafts straight on its engine; return how many drafts each accepts.
+
+        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` up to the
+        first draft the mask refuses, or just after an accepted stop token
+        (see :mod:`maskplug.grammar.draft`). Each row is computed by the
+        engine into the bitmask in place and normalised there; a draft is
+        taken exactly when :meth:`LLGuidanceMatcher.accept` would take it
+        (its bit in the normalised row, then the engine's consume). The
+        engine is rolled back at the end, so the matcher's own state and
+        cached masks stay valid. Requests run on ``threads`` workers: mask
+        computation releases the GIL. llguidance's executor is not used
+        here: its worker threads spin while they wait, which costs more CPU
+        than it saves when the cores are busy.
+        """
+        n = len(matchers)
+        owners: list[LLGuidanceMatcher] = []
+        for m in matchers:
+            if not isinstance(m, LLGuidanceMatcher) or m.is_terminated():
+                raise GrammarError("matchers: fill_chains expects live llguidance matchers")
+            owners.append(m)
+        bm = bitmask.numpy()
+        text_row, stop_row = self.provider._text_row, self.provider._stop_row
+        eos = frozenset(self.provider.vocab.eos_ids)
+        nbytes = bm.shape[1] * 4
+        base = bm.ctypes.data
+        out = [0] * n
+
+        def walk(i: int) -> None:
+            m, d, r0 = owners[i], drafts[i], int(rows[i])
+            engine = m.engine
+            took = 0
+            fed = 0
+            try:
+                for p in range(len(d) + 1):
+                    row = bm[r0 + p]
+                    if p == 0 and m._mask_ok:
+                        row[:] = m._mask  # the state's mask is at hand (as for a plain fill)
+                    else:
+                        engine.unsafe_compute_mask_ptr(base + (r0 + p) * nbytes, nbytes)
+                        np.bitwise_and(row, text_row, out=row)
+                        if engine.is_accepting():
+                            np.bitwise_or(row, stop_row, out=row)
+                    if p == len(d):
+                        break
+                    t = int(d[p])
+                    if not (int(row[t >> 5]) >> (t & 31)) & 1:
+                        break
+                    if t in eos:
+                        took += 1  # accepted (the text is complete); nothing follows a stop token
+                        break
+                    if not engine.consume_token(t):
+                        # The mask allowed it but the engine refused: the matcher
+                        # refuses it too; the engine is rebuilt below.
+                        fed = -1
+                        break
+                    took += 1
+                    fed += 1
+            finally:
+                if fed > 0:
+                    if not engine.rollback(fed):
+                        fed = -1
+                if fed < 0:
+                    m._rebuild()
+            out[i] = took
+
+        def part(idx: range) -> None:
+            for i in idx:
+                walk(i)
+
+        workers = min(n, 1 if threads is None else max(1, int(threads)))
+        if workers > 1:
+            # Interleaved parts balance grammars of different cost across the workers.
+            list(_pool(workers).map(part, [range(w, n, workers) for w in range(workers)]))
+        else:
+            part(range(n))
+        return out
 
 
 class LLGuidanceProvider(ProviderBase):

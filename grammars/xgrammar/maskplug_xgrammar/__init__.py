@@ -16,7 +16,10 @@ How xgrammar's behaviour is normalised to maskplug's matcher contract:
   words wide (xgrammar ignores strides and trusts the width);
 * ids outside ``[0, vocab_size)`` raise :class:`maskplug.GrammarError` before
   xgrammar sees them;
-* many rows are filled on xgrammar's C++ thread pool (``BatchGrammarMatcher``).
+* many rows are filled on xgrammar's C++ thread pool (``BatchGrammarMatcher``);
+* a request's whole draft chain is filled by one ``traverse_draft_tree`` call
+  (accept, fill and roll back in C++, without the GIL), requests spread over
+  a small thread pool (:meth:`XGrammarBatchOps.fill_chains`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -114,15 +120,114 @@ class XGrammarMatcher(MatcherBase):
         return twin
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-xgrammar")
+            _POOLS[workers] = pool
+        return pool
+
+
 class XGrammarBatchOps:
     """Batch fill/accept/rollback over xgrammar matchers (see :class:`maskplug.grammar.BatchOps`)."""
 
     def __init__(self, vocab: Vocab, max_threads: int) -> None:
         self.vocab = vocab
+        self.max_threads = max_threads
         self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
         self._eos = frozenset(vocab.eos_ids)
+        self._eos_arr = np.asarray(sorted(vocab.eos_ids), dtype=np.int64)
         self._special = vocab.special_ids
         self._n_tokens = len(vocab.tokens)
+        # A chain of k drafts is a draft tree whose node i has child i + 1 and no sibling.
+        self._trees: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tree(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tree = self._trees.get(k)
+        if tree is None:
+            child = torch.arange(1, k + 2, dtype=torch.int64)
+            child[k] = -1
+            tree = (child, torch.full((k + 1,), -1, dtype=torch.int64))
+            self._trees[k] = tree
+        return tree
+
+    def fill_chains(
+        self,
+        matchers: Sequence[MatcherBase],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        threads: int | None = None,
+    ) -> list[int]:
+        """Fill each request's draft rows with one ``traverse_draft_tree`` call; return the accepted counts.
+
+        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` up to the
+        first draft the mask refuses or just after an accepted stop token
+        (see :mod:`maskplug.grammar.draft`). xgrammar checks each draft
+        against the row it just filled, so the accepted counts are read back
+        from the rows, vectorised. Requests run on ``threads`` workers (the
+        calls release the GIL); matchers end where they started.
+        """
+        n = len(matchers)
+        if not n:
+            return []
+        lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+        width = int(lens.max())
+        # Node 0 of every tree is the current state (its token is not fed).
+        toks = torch.zeros((n, width + 1), dtype=torch.int64)
+        tok_np = toks.numpy()
+        for i, d in enumerate(drafts):
+            tok_np[i, 1 : 1 + len(d)] = d
+        raws = []
+        for m in matchers:
+            if m.is_terminated():
+                raise GrammarError("matchers: fill_chains expects live matchers, got a terminated one")
+            raws.append(m.raw)  # type: ignore[attr-defined]
+        starts = [int(r) for r in rows]
+        for i in range(n):
+            if starts[i] + int(lens[i]) >= bitmask.shape[0]:
+                raise GrammarError(
+                    f"rows[{i}]: expected {int(lens[i]) + 1} rows from {starts[i]} inside the bitmask's "
+                    f"{bitmask.shape[0]}, got too few"
+                )
+
+        def run(part: range) -> None:
+            for i in part:
+                k = int(lens[i])
+                child, sibling = self._tree(k)
+                raws[i].traverse_draft_tree(child, sibling, toks[i, : k + 1], bitmask[starts[i] : starts[i] + k + 1])
+
+        workers = min(n, self.max_threads if threads is None else max(1, int(threads)))
+        if workers > 1:
+            # Interleaved parts balance grammars of different cost across the workers.
+            list(_pool(workers).map(run, [range(w, n, workers) for w in range(workers)]))
+        else:
+            run(range(n))
+
+        # Accepted count: leading drafts whose bit is set in the row before them,
+        # cut just after the first accepted stop token.
+        if width == 0:
+            return [0] * n
+        d = tok_np[:, 1:]
+        valid = np.arange(width)[None, :] < lens[:, None]
+        r = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width)[None, :]
+        r = np.where(valid, r, 0)
+        dd = np.where(valid, d, 0)
+        words = bitmask.numpy()[r, dd >> 5].view(np.uint32)
+        ok = (((words >> (dd & 31).astype(np.uint32)) & 1) == 1) & valid
+        lead = np.cumprod(ok, axis=1).astype(bool)
+        took = lead.sum(axis=1)
+        stop = lead & np.isin(d, self._eos_arr)
+        has_stop = stop.any(axis=1)
+        first_stop = np.argmax(stop, axis=1)
+        took = np.where(has_stop, np.minimum(took, first_stop + 1), took)
+        return [int(t) for t in took]
 
     def fill(self, matchers: Sequence[MatcherBase], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]``; terminated matchers get their stop-only row."""
