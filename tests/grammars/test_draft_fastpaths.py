@@ -1,0 +1,160 @@
+"""The fast draft-row paths: chain operations, position-major batches, the outlines-core mask cache.
+
+``fill_draft_masks``'s default strategy now hands whole draft chains to each
+provider (``fill_chains``); the position-major batch path stays reachable
+with ``strategy="batch"``. Both are checked here against the slow per-row
+oracle (same helper as ``test_grammar_draft``), and the outlines-core mask
+cache against fills straight from the engine.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from grammar_testkit import PROVIDERS, REGEXES, allowed_ids, random_walk, state_of, vocab
+from hypothesis import given
+from hypothesis import strategies as st
+from test_grammar_draft import _check, _make_case
+
+from maskplug import GrammarError, GrammarRows, GrammarSpec, ScheduledLayout, fill_draft_masks, grammar_provider
+
+pytestmark = pytest.mark.skipif(not PROVIDERS, reason="no grammar provider is installed")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    mode=st.sampled_from(["ragged", "fixed"]),
+    flat=st.booleans(),
+    strategy=st.sampled_from(["chains", "batch"]),
+)
+def test_chain_and_batch_paths_match_reference(provider: str, seed: int, mode: str, flat: bool, strategy: str) -> None:
+    rng = random.Random(seed)
+    case = _make_case(provider, "spm", rng, rng.randint(1, 5), 5, mode)
+    _check(*case, flat=flat, strategy=strategy)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_chains_on_the_131k_vocab_any_pool_size(provider: str, threads: int) -> None:
+    rng = random.Random(77 + threads)
+    v, layout, rows, grammar, matchers, drafts, gates = _make_case(provider, "tekken", rng, 12, 7, "ragged")
+    _check(v, layout, rows, grammar, matchers, drafts, gates, flat=False, strategy="chains")
+    # The same batch twice with different pool sizes writes the same rows.
+    total = rows.num_rows(layout)
+    a, b = v.new_bitmask(total), v.new_bitmask(total)
+    out_a = fill_draft_masks(matchers, drafts, a, rows, layout, active_from=gates, strategy="chains", threads=threads)
+    out_b = fill_draft_masks(matchers, drafts, b, rows, layout, active_from=gates, strategy="serial")
+    assert torch.equal(a, b)
+    np.testing.assert_array_equal(out_a.acceptable, out_b.acceptable)
+    np.testing.assert_array_equal(out_a.forced, out_b.forced)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fill_chains_refuses_terminated_matchers_and_leaves_them_untouched(provider: str) -> None:
+    v = vocab("spm")
+    c = grammar_provider(provider, v).compile(GrammarSpec("choice", ["yes", "no"]))
+    m = c.matcher()
+    ops = getattr(m, "batch_ops", None)
+    if ops is None or not hasattr(ops, "fill_chains"):
+        pytest.skip(f"{provider} has no chain operation")
+    text = random_walk(m, v, random.Random(3), 10, stop=True)
+    for t in text:
+        assert m.accept(t)
+    assert m.is_terminated()
+    bm = v.new_bitmask(4)
+    before = bm.clone()
+    with pytest.raises(GrammarError, match="matchers"):
+        ops.fill_chains([m], bm, [0], [[int(v.eos_ids[0])]], threads=1)
+    assert m.is_terminated() and torch.equal(bm, before)
+    # fill_draft_masks sends terminated matchers down the generic walk instead.
+    layout = ScheduledLayout(["a"], [1], [1])
+    rows = GrammarRows(["a"])
+    out = fill_draft_masks([m], [[int(v.eos_ids[0])]], bm, rows, layout)
+    assert out.acceptable[0] == 0
+    assert set(allowed_ids(bm[0], v.vocab_size).tolist()) == set(v.eos_ids)
+
+
+# ---------------------------------------------------------------- outlines-core mask cache
+
+
+def _outlines_or_skip() -> type:
+    if "outlines-core" not in PROVIDERS:
+        pytest.skip("outlines-core provider is not installed")
+    from maskplug_outlines import OutlinesProvider
+
+    return OutlinesProvider
+
+
+def _engine_row(m, v) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """The row straight from the engine, bypassing the cache."""
+    out = np.zeros(v.mask_words, dtype=np.int32)
+    m._write_engine_row(out)
+    return out
+
+
+@given(seed=st.integers(0, 2**32 - 1), capacity_rows=st.sampled_from([1, 2, 3, 64]))
+def test_outlines_cached_fills_equal_engine_fills(seed: int, capacity_rows: int) -> None:
+    """Along random walks, every cached fill (hits, misses, cache generations turning over) equals the engine's."""
+    provider_cls = _outlines_or_skip()
+    v = vocab("spm")
+    rng = random.Random(seed)
+    cached = provider_cls(v, mask_cache_bytes=capacity_rows * v.mask_words * 4)
+    plain = provider_cls(v, mask_cache_bytes=0)
+    spec = GrammarSpec("regex", rng.choice(REGEXES))
+    mc, mp = cached.compile(spec).matcher(), plain.compile(spec).matcher()
+    assert mc.grammar.masks.capacity == capacity_rows and mp.grammar.masks.capacity == 0
+    walk = random_walk(mp, v, rng, rng.randint(1, 12), stop=True)
+    b1, b2 = v.new_bitmask(1), v.new_bitmask(1)
+    for t in [*walk, None]:
+        for _ in range(2):  # the second fill of a state is a hit
+            r1, r2 = mc.fill(b1, 0), mp.fill(b2, 0)
+            assert r1 == r2
+            assert torch.equal(b1, b2)
+            if not mc.is_terminated():
+                np.testing.assert_array_equal(b1[0].numpy(), _engine_row(mc, v))
+        if t is None:
+            break
+        assert mc.accept(t) and mp.accept(t)
+    assert len(mc.grammar.masks) <= capacity_rows
+
+
+def test_outlines_chains_with_a_tiny_cache_match_the_uncached_provider() -> None:
+    """Cache misses inside a chain (the guide is moved there and back) and generation changes mid-call."""
+    provider_cls = _outlines_or_skip()
+    v = vocab("tekken")
+    n, k = 10, 7
+    outs = []
+    for cap in (0, 2):
+        prov = provider_cls(v, mask_cache_bytes=cap * v.mask_words * 4)
+        rng_c = random.Random(5)
+        ms, drafts = [], []
+        for i in range(n):
+            m = prov.compile(GrammarSpec("regex", REGEXES[i % len(REGEXES)])).matcher()
+            d = random_walk(m, v, rng_c, k, stop=False)
+            if i % 3 == 0 and d:
+                d[rng_c.randrange(len(d))] = 5000 + i
+            d += [rng_c.randrange(1000, len(v.tokens)) for _ in range(k - len(d))]
+            ms.append(m)
+            drafts.append(d)
+        layout = ScheduledLayout(list(range(n)), [k] * n, [1] * n)
+        rows = GrammarRows(list(range(n)))
+        bm = v.new_bitmask(rows.num_rows(layout))
+        probes = [[*d, 0] for d in drafts]
+        before = [state_of(m, v, p) for m, p in zip(ms, probes, strict=True)]
+        out = fill_draft_masks(ms, drafts, bm, rows, layout, strategy="chains")
+        assert [state_of(m, v, p) for m, p in zip(ms, probes, strict=True)] == before
+        outs.append((bm, out))
+    (b0, o0), (b1, o1) = outs
+    assert torch.equal(b0, b1)
+    np.testing.assert_array_equal(o0.acceptable, o1.acceptable)
+    np.testing.assert_array_equal(o0.forced, o1.forced)
+
+
+def test_outlines_bad_cache_size_is_a_grammar_error() -> None:
+    provider_cls = _outlines_or_skip()
+    with pytest.raises(GrammarError, match="mask_cache_bytes"):
+        provider_cls(vocab("spm"), mask_cache_bytes=-1)
