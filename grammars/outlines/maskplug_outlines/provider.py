@@ -208,7 +208,7 @@ class OutlinesMatcher(MatcherBase):
     def __init__(self, grammar: OutlinesGrammar) -> None:
         super().__init__(grammar.provider.vocab)
         self.grammar = grammar
-        self.batch_ops = grammar.provider.batch_ops
+        self.batch_ops = grammar.provider.batch_ops  # type: ignore[assignment]  # element types are narrower
         self._index = grammar.index
         self._masks = grammar.masks
         self._guide = Guide(grammar.index, max_rollback=_MAX_ROLLBACK)
@@ -296,12 +296,13 @@ class _Pending:
         self.groups: dict[int, tuple[MaskCache, npt.NDArray[np.int32], list[int], list[int]]] = {}
         self.direct: list[int] = []
 
-    def add(self, cache: MaskCache, block: npt.NDArray[np.int32], rows: list[int], slots: list[int | None]) -> None:
+    def add(self, cache: MaskCache, block: npt.NDArray[np.int32], rows: list[int], slots: Sequence[Any]) -> None:
+        """Queue cached ``slots`` of ``block`` for ``rows`` (every slot a found one)."""
         group = self.groups.get(id(block))
         if group is None:
             group = self.groups[id(block)] = (cache, block, [], [])
         group[2].extend(rows)
-        group[3].extend(slots)  # type: ignore[arg-type]  # callers pass found slots only
+        group[3].extend(slots)
 
     def write(self, bitmask: torch.Tensor, forced: npt.NDArray[np.bool_] | None = None) -> None:
         """One gather per cache block; a block of an older generation is still valid."""

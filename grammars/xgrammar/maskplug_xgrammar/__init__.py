@@ -214,16 +214,16 @@ class XGrammarBatchOps:
         # cut just after the first accepted stop token.
         if width == 0:
             return [0] * n
-        d = tok_np[:, 1:]
+        fed = tok_np[:, 1:]
         valid = np.arange(width)[None, :] < lens[:, None]
         r = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width)[None, :]
         r = np.where(valid, r, 0)
-        dd = np.where(valid, d, 0)
+        dd = np.where(valid, fed, 0)
         words = bitmask.numpy()[r, dd >> 5].view(np.uint32)
         ok = (((words >> (dd & 31).astype(np.uint32)) & 1) == 1) & valid
         lead = np.cumprod(ok, axis=1).astype(bool)
         took = lead.sum(axis=1)
-        stop = lead & np.isin(d, self._eos_arr)
+        stop = lead & np.isin(fed, self._eos_arr)
         has_stop = stop.any(axis=1)
         first_stop = np.argmax(stop, axis=1)
         took = np.where(has_stop, np.minimum(took, first_stop + 1), took)
