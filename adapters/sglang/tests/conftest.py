@@ -90,10 +90,9 @@ def _corpus() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A byte-level BPE Hugging Face fast tokenizer trained here (deterministic, offline)."""
+def bpe_tokenizer_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE ``tokenizer.json`` trained here (deterministic, offline)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -107,7 +106,20 @@ def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tok.train_from_iterator(_corpus(), trainer)
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     tok.save(str(path))
+    return path
+
+
+def load_hf_tokenizer(path: Path | str) -> Any:
+    """The Hugging Face fast tokenizer of a ``tokenizer.json`` made by :func:`bpe_tokenizer_file`."""
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(bpe_tokenizer_file: Path) -> Any:
+    """The trained tokenizer as SGLang sees it: a Hugging Face fast tokenizer."""
+    return load_hf_tokenizer(bpe_tokenizer_file)
 
 
 @pytest.fixture(scope="session")
