@@ -227,7 +227,7 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
-    """Run ``task(0..n-1)`` on ``workers`` pool threads, each taking the next index when it is free.
+    """Run ``task(0..n-1)`` on ``workers`` threads (the caller and a pool), each taking the next index when free.
 
     Chains differ in cost by two orders of magnitude (grammar and state), so
     fixed shares would leave one worker with most of the work.
@@ -245,9 +245,13 @@ def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
                 return
             task(i)
 
-    futures = [_pool(workers).submit(worker) for _ in range(workers)]
-    for f in futures:
-        f.result()
+    # The calling thread is one of the workers: it would only wait otherwise.
+    futures = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
+    try:
+        worker()
+    finally:
+        for f in futures:
+            f.result()
 
 
 class LLGuidanceBatchOps:
