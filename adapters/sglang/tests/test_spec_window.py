@@ -94,8 +94,8 @@ def _random_tree(
     return torch.from_numpy(next_token), torch.from_numpy(next_sibling), torch.from_numpy(tokens)
 
 
-def _verified_path(next_token: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> list[int]:
-    """The first-child chain of drafts the masks allow: what a verifier could accept."""
+def _verified_path(next_token: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, eos: int) -> list[int]:
+    """The first-child chain of drafts the masks allow, up to a stop token: what a verifier could accept."""
     path: list[int] = []
     node = 0
     while int(next_token[node]) != -1:
@@ -104,6 +104,8 @@ def _verified_path(next_token: torch.Tensor, tokens: torch.Tensor, mask: torch.T
         if not (int(mask[node][t >> 5]) >> (t & 31)) & 1:
             break
         path.append(t)
+        if t == eos:  # nothing is verified past a stop token (its row is never filled)
+            break
         node = child
     return path
 
@@ -138,7 +140,7 @@ def test_draft_windows_agree_with_sglang(bpe_backends: tuple[Any, Any], seed: in
         assert torch.equal(one_t & keep, one_o & keep) and torch.equal(mo[0], one_o[0])
 
         # The verifier keeps a prefix of the allowed chain, then samples the bonus from its row.
-        path = _verified_path(nt, toks, mo)
+        path = _verified_path(nt, toks, mo, eos)
         keep_n = int(rng.integers(0, len(path) + 1))
         row = 0
         for _ in range(keep_n):
