@@ -355,8 +355,8 @@ class LLGuidanceBatchOps:
         engine is rolled back at the end, so the matcher's own state and
         cached masks stay valid. Requests run on ``threads`` workers: mask
         computation releases the GIL. llguidance's executor is not used
-        here: its worker threads spin while they wait, which costs more CPU
-        than it saves when the cores are busy.
+        here: on the 2-core benchmark machine it spent more CPU per step for
+        the same masks than this walk (``benchmarks/RESULTS.md``).
         """
         n = len(matchers)
         owners: list[LLGuidanceMatcher] = []
