@@ -166,3 +166,23 @@ def test_outlines_bad_cache_size_is_a_grammar_error() -> None:
     provider_cls = _outlines_or_skip()
     with pytest.raises(GrammarError, match="mask_cache_bytes"):
         provider_cls(vocab("spm"), mask_cache_bytes=-1)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fill_chains_checks_the_buffer_before_writing(provider: str) -> None:
+    v = vocab("spm")
+    m = grammar_provider(provider, v).compile(GrammarSpec("regex", REGEXES[0])).matcher()
+    ops = getattr(m, "batch_ops", None)
+    if ops is None or not hasattr(ops, "fill_chains"):
+        pytest.skip(f"{provider} has no chain operation")
+    drafts = [random_walk(m, v, random.Random(9), 3, stop=False)]
+    probe = [*drafts[0], 0]
+    before = state_of(m, v, probe)
+    short = torch.zeros((len(drafts[0]), v.mask_words), dtype=torch.int32)  # one row too few
+    narrow = torch.zeros((8, v.mask_words - 1), dtype=torch.int32)
+    for bm, rows, needle in ((short, [0], "row"), (narrow, [0], "words per row"), (short, [0, 1], "rows, drafts")):
+        keep = bm.clone()
+        with pytest.raises(GrammarError, match=needle):
+            ops.fill_chains([m], bm, rows, drafts, threads=1)
+        assert torch.equal(bm, keep)
+        assert state_of(m, v, probe) == before

@@ -49,7 +49,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
 from maskplug import GrammarError
-from maskplug.grammar.base import GrammarSpec, Matcher, MatcherBase, ProviderBase, Vocab
+from maskplug.grammar.base import GrammarSpec, Matcher, MatcherBase, ProviderBase, Vocab, check_bitmask
 
 __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
 
@@ -254,6 +254,20 @@ def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
             f.result()
 
 
+def _check_chain_args(
+    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
+) -> None:
+    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
+    if len(rows) != n or len(drafts) != n:
+        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
+    if n:
+        first = min(int(r) for r in rows)
+        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
+        check_bitmask(bitmask, last, vocab)
+        if first < 0:
+            raise GrammarError(f"rows: expected first rows >= 0, got {first}")
+
+
 class LLGuidanceBatchOps:
     """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
 
@@ -359,6 +373,7 @@ class LLGuidanceBatchOps:
         the same masks than this walk (``benchmarks/RESULTS.md``).
         """
         n = len(matchers)
+        _check_chain_args(bitmask, rows, drafts, n, self.provider.vocab)
         owners: list[LLGuidanceMatcher] = []
         for m in matchers:
             if not isinstance(m, LLGuidanceMatcher) or m.is_terminated():

@@ -39,7 +39,7 @@ import xgrammar as xgr
 
 import maskplug
 from maskplug import GrammarError
-from maskplug.grammar import GrammarSpec, MatcherBase, ProviderBase, Vocab
+from maskplug.grammar import GrammarSpec, MatcherBase, ProviderBase, Vocab, check_bitmask
 
 __all__ = ["XGrammarBatchOps", "XGrammarCompiled", "XGrammarMatcher", "XGrammarProvider"]
 
@@ -163,6 +163,20 @@ def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
             f.result()
 
 
+def _check_chain_args(
+    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
+) -> None:
+    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
+    if len(rows) != n or len(drafts) != n:
+        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
+    if n:
+        first = min(int(r) for r in rows)
+        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
+        check_bitmask(bitmask, last, vocab)
+        if first < 0:
+            raise GrammarError(f"rows: expected first rows >= 0, got {first}")
+
+
 class XGrammarBatchOps:
     """Batch fill/accept/rollback over xgrammar matchers (see :class:`maskplug.grammar.BatchOps`)."""
 
@@ -204,6 +218,7 @@ class XGrammarBatchOps:
         calls release the GIL); matchers end where they started.
         """
         n = len(matchers)
+        _check_chain_args(bitmask, rows, drafts, n, self.vocab)
         if not n:
             return []
         lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
@@ -219,12 +234,6 @@ class XGrammarBatchOps:
                 raise GrammarError("matchers: fill_chains expects live matchers, got a terminated one")
             raws.append(m.raw)  # type: ignore[attr-defined]
         starts = [int(r) for r in rows]
-        for i in range(n):
-            if starts[i] + int(lens[i]) >= bitmask.shape[0]:
-                raise GrammarError(
-                    f"rows[{i}]: expected {int(lens[i]) + 1} rows from {starts[i]} inside the bitmask's "
-                    f"{bitmask.shape[0]}, got too few"
-                )
 
         def one(i: int) -> None:
             k = int(lens[i])
