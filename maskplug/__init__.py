@@ -6,8 +6,7 @@ selection, compaction, the mask dispatch, errors and the plugin registry.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from . import reference, schedulers  # the oracle is API; the schedulers module is also callable
 from .budget import BudgetDecision, CostModel, allocate, choose_budget
 from .compaction import Compaction, active_cu_logits, compact
 from .confidence import ConfidenceHistory
@@ -35,9 +34,8 @@ from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
 from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
-from . import reference  # noqa: E402  (the oracle is part of the API)
-# The schedulers module is callable: maskplug.schedulers() lists the registered names.
-from . import schedulers
+
+__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailable",
@@ -77,6 +75,7 @@ __all__ = [
     "grammar_provider",
     "grammar_providers",
     "hookimpl",
+    "reference",
     "reset_registry",
     "resolve_backend",
     "schedulers",
