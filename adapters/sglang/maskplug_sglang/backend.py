@@ -43,8 +43,16 @@ from sglang.srt.constrained.base_grammar_backend import (
 )
 
 import maskplug
-from maskplug import GrammarError, LayoutError, PluginError
-from maskplug.grammar import GrammarProvider, GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
+from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout
+from maskplug.grammar import (
+    GrammarProvider,
+    GrammarSpec,
+    Matcher,
+    Vocab,
+    fill_draft_masks,
+    grammar_provider,
+    grammar_providers,
+)
 from maskplug.grammar.base import check_bitmask
 
 from .vocab import vocab_from_tokenizer
@@ -57,6 +65,7 @@ __all__ = [
     "TokenRejected",
     "allocate_mask",
     "apply_mask",
+    "fill_draft_chains",
 ]
 
 PROVIDER_ENV = "MASKPLUG_SGLANG_PROVIDER"
@@ -368,6 +377,59 @@ class MaskplugGrammar(BaseGrammarObject):
             f"MaskplugGrammar(key={self._short_key()!r}, accepted={self.num_accepted}, "
             f"terminated={self.is_terminated()})"
         )
+
+
+def fill_draft_chains(
+    grammars: Sequence[MaskplugGrammar | None], draft_tokens: Any, vocab_mask: torch.Tensor
+) -> np.ndarray:
+    """Mask rows of linear speculative windows, all requests at once, with :func:`maskplug.fill_draft_masks`.
+
+    SGLang's layout: ``draft_tokens`` is ``(batch, W)``, column 0 the last
+    verified token (not fed to the grammar) and columns ``1..W-1`` the drafts;
+    request ``i`` owns mask rows ``i*W .. i*W+W-1``, row ``i*W+k`` being the
+    mask after accepting drafts ``1..k``. The bits are those SGLang's
+    ``traverse_tree`` writes for a chain: rows after the first refused draft,
+    or after an accepted stop token, stay all-allowed, as do the rows of
+    requests without a grammar or whose grammar has terminated. The grammars
+    end in the state they started in.
+
+    Returns:
+        For each request, how many drafts its grammar accepts (``-1`` where no
+        grammar was active).
+
+    Raises:
+        LayoutError: shapes disagree (nothing written).
+    """
+    dt = draft_tokens.detach().cpu().numpy() if isinstance(draft_tokens, torch.Tensor) else np.asarray(draft_tokens)
+    if dt.ndim != 2 or (dt.size and dt.dtype.kind not in "iu"):
+        raise LayoutError(f"draft_tokens: expected a 2-D integer array (batch, W), got shape {dt.shape} {dt.dtype}")
+    batch, width = int(dt.shape[0]), int(dt.shape[1])
+    gs = list(grammars)
+    if len(gs) != batch:
+        raise LayoutError(f"grammars: expected one entry per request ({batch}), got {len(gs)}")
+    if vocab_mask.ndim != 2 or vocab_mask.shape[0] < batch * width:
+        raise LayoutError(
+            f"vocab_mask: expected at least batch × W = {batch * width} rows, got shape {tuple(vocab_mask.shape)}"
+        )
+    active = [i for i, g in enumerate(gs) if g is not None and not g.is_terminated()]
+    acceptable = np.full(batch, -1, dtype=np.int64)
+    if not active or width == 0:
+        return acceptable
+    for i in active:
+        if not isinstance(gs[i], MaskplugGrammar):
+            raise LayoutError(f"grammars[{i}]: expected a MaskplugGrammar or None, got {type(gs[i]).__name__}")
+    n = len(active)
+    layout = ScheduledLayout(list(range(n)), [width - 1] * n, [1] * n, num_bonus=1)
+    rows = GrammarRows(list(range(n)))
+    scratch = torch.empty((n * width, int(vocab_mask.shape[1])), dtype=torch.int32)
+    matchers = [gs[i].matcher for i in active]  # type: ignore[union-attr]
+    drafts = dt[active, 1:].astype(np.int64)
+    got = fill_draft_masks(matchers, list(drafts), scratch, rows, layout)
+    # Scatter each request's block to its own rows of SGLang's mask.
+    dest = (np.asarray(active, dtype=np.int64)[:, None] * width + np.arange(width)[None, :]).reshape(-1)
+    vocab_mask[torch.from_numpy(dest).to(vocab_mask.device)] = scratch.to(vocab_mask.device)
+    acceptable[active] = got.acceptable
+    return acceptable
 
 
 class MaskplugGrammarBackend(BaseGrammarBackend):

@@ -28,7 +28,7 @@ import torch
 from conftest import allowed_ids, compile_pair, control_columns, grammar_keys
 from hypothesis import given
 from hypothesis import strategies as st
-from maskplug_sglang.backend import MaskplugGrammar
+from maskplug_sglang.backend import MaskplugGrammar, allocate_mask
 
 KEYS = grammar_keys()
 
@@ -53,7 +53,13 @@ traverse_tree = _sglang_traverse_tree()
 
 
 def _random_tree(
-    rng: np.random.Generator, oracle: Any, vocab_size: int, width: int, bad_rate: float, avoid: set[int]
+    rng: np.random.Generator,
+    oracle: Any,
+    vocab_size: int,
+    width: int,
+    bad_rate: float,
+    avoid: set[int],
+    chain: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft tree of ``width`` nodes in SGLang's format (first child / next sibling, node 0 = root).
 
@@ -61,7 +67,7 @@ def _random_tree(
     the tree and rolled back) allows at the parent, or, with probability
     ``bad_rate``, any token (usually one the grammar refuses).
     """
-    parent = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.35 else i - 1 for i in range(1, width)]
+    parent = [-1] + [int(rng.integers(0, i)) if rng.random() < 0.35 and not chain else i - 1 for i in range(1, width)]
     children: list[list[int]] = [[] for _ in range(width)]
     for i in range(1, width):
         children[parent[i]].append(i)
@@ -167,3 +173,60 @@ def test_draft_windows_agree_with_sglang(bpe_backends: tuple[Any, Any], seed: in
             theirs.fill_vocab_mask(one_t, 0)
             ours.fill_vocab_mask(one_o, 0)
             assert torch.equal(one_t & keep, one_o & keep)
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_batched_chain_windows_match_sglangs_traversal(bpe_backends: tuple[Any, Any], seed: int) -> None:
+    """``fill_draft_chains`` (all requests at once) writes the bits SGLang's ``traverse_tree`` writes per request."""
+    from maskplug_sglang.backend import fill_draft_chains
+
+    rng = np.random.default_rng(seed)
+    batch, width = int(rng.integers(1, 6)), int(rng.integers(1, 7))
+    size = bpe_backends[1].vocab.vocab_size
+    eos = bpe_backends[1].vocab.eos_ids[0]
+    avoid = set(bpe_backends[1].vocab.special_ids) - {eos}
+    theirs_list: list[Any] = []
+    ours_list: list[MaskplugGrammar | None] = []
+    tokens = np.zeros((batch, width), dtype=np.int64)
+    for i in range(batch):
+        if rng.random() < 0.2:  # a request without a grammar
+            theirs_list.append(None)
+            ours_list.append(None)
+            continue
+        theirs, ours = compile_pair(bpe_backends, KEYS[int(rng.integers(0, len(KEYS)))])
+        # A few tokens of history, then a chain of drafts drawn like the trees above.
+        _, _, pre = _random_tree(rng, theirs, size, int(rng.integers(1, 4)), 0.0, avoid | {eos}, chain=True)
+        one = allocate_mask(size, 1)
+        for t in pre[1:].tolist():
+            theirs.fill_vocab_mask(one, 0)
+            if not (int(one[0][t >> 5]) >> (t & 31)) & 1:
+                break  # the chain ran past what the grammar allows (only a stop token was left)
+            theirs.accept_token(t)
+            ours.accept_token(t)
+        drafts = _random_tree(rng, theirs, size, width, float(rng.choice([0.0, 0.3])), avoid, chain=True)[2]
+        tokens[i] = drafts.numpy()
+        theirs_list.append(theirs)
+        ours_list.append(ours)
+    nt = torch.from_numpy(np.where(np.arange(width) + 1 < width, np.arange(width) + 1, -1))
+    ns = torch.full((width,), -1, dtype=torch.int64)
+    want = allocate_mask(size, batch * width)
+    want_theirs = allocate_mask(size, batch * width)
+    for i in range(batch):
+        if ours_list[i] is not None:
+            rows = slice(i * width, (i + 1) * width)
+            traverse_tree(nt, ns, torch.from_numpy(tokens[i]), ours_list[i], want[rows], vocab_size=size)
+            traverse_tree(nt, ns, torch.from_numpy(tokens[i]), theirs_list[i], want_theirs[rows], vocab_size=size)
+    got = allocate_mask(size, batch * width)
+    acceptable = fill_draft_chains(ours_list, torch.from_numpy(tokens), got)
+    assert torch.equal(got, want)
+    keep = ~control_columns(bpe_backends[1].vocab)
+    assert torch.equal(got & keep, want_theirs & keep)
+    for i, g in enumerate(ours_list):
+        if g is None:
+            assert acceptable[i] == -1
+            continue
+        # The grammars are back where they started: the first row is the current mask.
+        row = allocate_mask(size, 1)
+        g.fill_vocab_mask(row, 0)
+        assert torch.equal(row[0], got[i * width])
+        assert 0 <= acceptable[i] <= width - 1
