@@ -5,8 +5,8 @@ Each measurement times maskplug and a peer on the same inputs in the same run
 maskplug is faster):
 
 * **host path**: layout, ``choose_budget``, ``compact`` and the row mapping
-  for ``n`` requests × 7 drafts, against the per-request Python of
-  :mod:`maskplug.reference`;
+  for ``n`` requests × 7 drafts, against the straightforward per-request
+  Python of :func:`maskplug.baselines.python_step`;
 * **apply**: ``apply_grammar_bitmask`` (the ``auto`` backend) on
   ``rows × V`` fp32 logits, against xgrammar's ``apply_token_bitmask_inplace``
   when xgrammar is installed, and against a dense torch unpack-and-fill;
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import reference
+from .baselines import PythonCost, python_step
 from .budget import CostModel, choose_budget
 from .compaction import compact
 from .dispatch import apply_grammar_bitmask, resolve_backend
@@ -69,22 +69,23 @@ def _host_path(n: int, repeat: int) -> list[BenchRow]:
     rng = np.random.default_rng(n)
     ids = [f"req-{i}" for i in range(n)]
     nd = np.full(n, 7)
+    nnd = np.ones(n, dtype=np.int64)
     conf = rng.random((n, 7))
-    cost = CostModel.linear()
-    order = list(rng.permutation(ids))
+    cost = CostModel.linear(1.0, 0.01, 5.0, 0.02)
+    py_cost = PythonCost(1.0, 0.01, 5.0, 0.02)  # the same straight line, in plain Python
+    order = [str(x) for x in rng.permutation(ids)]
+    nd_list, nnd_list, conf_list = nd.tolist(), nnd.tolist(), conf.tolist()
 
     def ours() -> Any:
-        lay = ScheduledLayout(ids, nd, np.ones(n, dtype=np.int64))
+        lay = ScheduledLayout(ids, nd, nnd)
         dec = choose_budget(conf, lay, cost)
-        return dec.budget, compact(lay, dec.budget).num_tokens, GrammarRows(order).mapping(lay)
+        return dec.budget, compact(lay, dec.budget).cu_logits, GrammarRows(order).mapping(lay)
 
     def peer() -> Any:
-        lay = ScheduledLayout(ids, nd, np.ones(n, dtype=np.int64))
-        dec = reference.choose_budget(conf, lay, cost)
-        return dec.budget, reference.compact(lay, dec.budget).num_tokens, reference.mapping(GrammarRows(order), lay)
+        return python_step(ids, nd_list, nnd_list, conf_list, order, py_cost)
 
     a, b = ours(), peer()
-    assert a[0] == b[0] and a[1] == b[1] and np.array_equal(a[2].request, b[2].request)
+    assert a[0] == b[0] and a[1].tolist() == b[1] and a[2].request.tolist() == b[2] and a[2].position.tolist() == b[3]
     return [BenchRow("host path", f"n={n}", _time(ours, repeat), "per-request Python", _time(peer, repeat))]
 
 
