@@ -222,41 +222,52 @@ def _walk_chains(
     threads: int,
     w: _Walk,
 ) -> None:
-    """One ``fill_chains`` call for all members; the walk's bookkeeping is derived from its counts."""
-    drafts = [d[g, gate[g] : nd[g]].tolist() if gate[g] < nd[g] else [] for g in members]
-    starts = [int(row0[g] + gate[g]) for g in members]
+    """One ``fill_chains`` call for all members; the walk's bookkeeping is derived from its counts (vectorised)."""
+    mem = np.asarray(members, dtype=np.int64)
+    lo = gate[mem]
+    hi_d = np.maximum(nd[mem], lo)  # drafts fed: d[g, lo:hi_d]
+    rows_d = d[mem].tolist()
+    lo_l, hi_l = lo.tolist(), hi_d.tolist()
+    drafts = [r[a:b] for r, a, b in zip(rows_d, lo_l, hi_l, strict=True)]
+    starts = (row0[mem] + lo).tolist()
     reports = bool(getattr(ops, "fills_forced", False))
     kw: dict[str, Any] = {"threads": threads}
     if reports:
         kw["forced"] = w.row_forced
-    took = ops.fill_chains([matchers[g] for g in members], bitmask, starts, drafts, **kw)
-    if len(took) != len(members):
-        raise GrammarError(f"fill_chains: expected {len(members)} accepted counts, got {len(took)}")
-    for g, a, ds in zip(members, took, drafts, strict=True):
-        a = int(a)
-        if not 0 <= a <= len(ds):
-            raise GrammarError(f"fill_chains: expected an accepted count in [0, {len(ds)}], got {a}")
-        lo = int(gate[g])
-        stopped = a > 0 and ds[a - 1] in eos[g]
-        r0 = int(row0[g])
-        if stopped or a < len(ds):
-            # Stopped after an accepted stop token, or refused drafts[g][lo + a].
-            w.acceptable[g] = lo + a
-            hi = lo + a if not stopped else lo + a - 1
-            w.filled[g, lo : hi + 1] = True
-            if reports:
-                w.known[r0 + lo : r0 + hi + 1] = True
-        else:
-            # Every draft taken: the remaining rows (bonus rows) all hold the final state's mask.
-            last = lo + a
-            end = int(need[g])
-            w.filled[g, lo:end] = True
-            r = r0 + last
-            if end - 1 > last:
-                bitmask[r + 1 : r0 + end] = bitmask[r]
-                w.row_forced[r + 1 : r0 + end] = w.row_forced[r]
-            if reports:
-                w.known[r0 + lo : r0 + end] = True
+    took_l = ops.fill_chains([matchers[g] for g in members], bitmask, starts, drafts, **kw)
+    if len(took_l) != len(members):
+        raise GrammarError(f"fill_chains: expected {len(members)} accepted counts, got {len(took_l)}")
+    took = np.asarray(took_l, dtype=np.int64).reshape(-1)
+    count = hi_d - lo
+    bad = (took < 0) | (took > count)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise GrammarError(f"fill_chains: expected an accepted count in [0, {int(count[i])}], got {int(took[i])}")
+    # Whether the last accepted draft was a stop token (then nothing follows it).
+    stopped = np.zeros(mem.shape[0], dtype=bool)
+    if d.shape[1]:
+        last_tok = d[mem, np.clip(lo + took - 1, 0, d.shape[1] - 1)]
+        stopped = np.array(
+            [t in e for t, e in zip(last_tok.tolist(), (eos[g] for g in members), strict=True)], dtype=bool
+        ) & (took > 0)
+    cut = stopped | (took < count)
+    # Cut short: rows lo .. lo+took (refused draft's row) or lo .. lo+took-1 (after a stop).
+    # Every draft taken: rows lo .. need-1, the bonus rows all holding the final state's mask.
+    hi = np.where(cut, lo + took - stopped.astype(np.int64), need[mem] - 1)
+    w.acceptable[mem[cut]] = (lo + took)[cut]
+    cols = np.arange(w.filled.shape[1])
+    span = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None])
+    w.filled[mem] |= span
+    if reports:
+        gi, pi = np.nonzero(span)
+        w.known[row0[mem][gi] + pi] = True
+    extra = np.flatnonzero(~cut & (need[mem] - 1 > lo + took))
+    for i in extra.tolist():  # num_bonus > 1 only
+        g = members[i]
+        r = int(row0[g] + lo[i] + took[i])
+        end = int(row0[g] + need[g])
+        bitmask[r + 1 : end] = bitmask[r]
+        w.row_forced[r + 1 : end] = w.row_forced[r]
 
 
 def _walk_one(
