@@ -63,8 +63,6 @@ _MAX_ROLLBACK = 64
 # Default bound of each grammar's mask cache: 2,048 rows at a 131k vocabulary.
 # Pages are only touched as states are cached.
 DEFAULT_MASK_CACHE_BYTES = 32 << 20
-# Bound of each grammar's transition memo (about 100 bytes an entry).
-_MAX_TRANSITIONS = 1 << 17
 
 # Characters with a meaning in outlines-core's (Rust regex-syntax) patterns.
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~ ")
@@ -190,9 +188,6 @@ class OutlinesGrammar:
         self.index = index
         words = provider.vocab.mask_words
         self.masks = MaskCache(words, provider.mask_cache_bytes // (words * 4))
-        # (state, token) -> next state (-1: refused), filled by the draft walks:
-        # a dict lookup costs a tenth of a call into the engine.
-        self.transitions: dict[int, int] = {}
 
     def matcher(self) -> OutlinesMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -304,29 +299,28 @@ def _check_chain_args(
 
 
 class _Pending:
-    """Rows of one batch call: cached rows to copy (grouped by cache block) and rows written directly."""
+    """Rows of one batch call: runs of cached rows to copy, and rows written directly by the engine."""
 
     def __init__(self) -> None:
-        self.groups: dict[int, tuple[MaskCache, npt.NDArray[np.int32], list[int], list[int]]] = {}
+        self.runs: list[tuple[MaskCache, npt.NDArray[np.int32], int, Sequence[Any]]] = []
         self.direct: list[int] = []
 
-    def add(self, cache: MaskCache, block: npt.NDArray[np.int32], rows: list[int], slots: Sequence[Any]) -> None:
-        """Queue cached ``slots`` of ``block`` for ``rows`` (every slot a found one)."""
-        group = self.groups.get(id(block))
-        if group is None:
-            group = self.groups[id(block)] = (cache, block, [], [])
-        group[2].extend(rows)
-        group[3].extend(slots)
+    def add(self, cache: MaskCache, block: npt.NDArray[np.int32], first: int, slots: Sequence[Any]) -> None:
+        """Queue cached ``slots`` of ``block`` for the consecutive rows from ``first`` (every slot a found one)."""
+        self.runs.append((cache, block, first, slots))
 
     def write(self, bitmask: torch.Tensor, forced: npt.NDArray[np.bool_] | None = None) -> None:
-        """One gather per cache block; a block of an older generation is still valid."""
+        """Copy every run in place (a block of an older cache generation is still valid)."""
         bm = bitmask.numpy()
-        for cache, block, rows, slots in self.groups.values():
-            r = np.asarray(rows, dtype=np.int64)
+        for cache, block, first, slots in self.runs:
             sl = np.asarray(slots, dtype=np.int64)
-            bm[r] = block[sl]
+            end = first + sl.shape[0]
+            # take(..., out=) writes straight into the rows: a fancy-indexed
+            # assignment would build (and page in) a temporary copy first.
+            # "clip" keeps numpy from buffering; the slots are valid anyway.
+            np.take(block, sl, axis=0, out=bm[first:end], mode="clip")
             if forced is not None:
-                forced[r] = cache.forced_of(block, sl)
+                forced[first:end] = cache.forced_of(block, sl)
         if forced is not None:
             for row in self.direct:
                 forced[row] = single_token(bm[row])
@@ -355,7 +349,7 @@ class OutlinesBatchOps:
             m._write_engine_row(bitmask.numpy()[row])
             pending.direct.append(row)
         else:
-            pending.add(m._masks, hit[0], [row], [hit[1]])
+            pending.add(m._masks, hit[0], row, [hit[1]])
 
     def fill(self, matchers: Sequence[MatcherBase], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the bitmask was already checked)."""
@@ -407,9 +401,6 @@ class OutlinesBatchOps:
             # The walk follows the automaton's transitions without moving the
             # guide: nothing to roll back, and a row is a cache lookup by state.
             step = m._index.get_next_state
-            memo = m.grammar.transitions
-            if len(memo) > _MAX_TRANSITIONS:
-                memo.clear()
             state = m._guide.get_state()
             states = [state]
             stopped = False
@@ -418,15 +409,9 @@ class OutlinesBatchOps:
                     # The stop token is never given to the engine (see the module notes).
                     stopped = t in eos and bool(m._index.is_final_state(state))
                     break
-                key = state * n_tokens + t
-                nxt = memo.get(key)
-                if nxt is None:
-                    found = step(state, t)
-                    nxt = -1 if found is None else found
-                    memo[key] = nxt
-                if nxt < 0:
+                state = step(state, t)
+                if state is None:
                     break
-                state = nxt
                 states.append(state)
             r0 = int(r0)
             cache = m._masks
@@ -434,12 +419,12 @@ class OutlinesBatchOps:
             hits = [slots.get(st) for st in states] if cache.capacity else [None] * len(states)
             if None not in hits:
                 cache.hits += len(hits)
-                pending.add(cache, block, list(range(r0, r0 + len(hits))), hits)
+                pending.add(cache, block, r0, hits)
             else:
                 for p, slot in enumerate(hits):
                     if slot is not None:
                         cache.hits += 1
-                        pending.add(cache, block, [r0 + p], [slot])
+                        pending.add(cache, block, r0 + p, [slot])
                     else:
                         self._row_after(m, d[:p], bitmask, r0 + p, pending)
             out.append(len(states) - 1 + int(stopped))
