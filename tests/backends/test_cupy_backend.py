@@ -46,21 +46,27 @@ def _nvrtc_compile(arch: str, want_cubin: bool) -> tuple[bytes, str]:
         pytest.fail(f"NVRTC library not found (install nvidia-cuda-nvrtc): {exc}")
     opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
     res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    # NVRTC writes into the buffers it is given, so they must be fresh, writable
+    # bytearrays. An immutable ``b" " * size`` is not: for size 1 (an empty log,
+    # just its NUL) it is CPython's shared one-byte ``b" "`` object, and writing
+    # the NUL into it turns every ``b" "`` of the process into ``b"\x00"``.
     (size,) = ok(nvrtc.nvrtcGetProgramLogSize(prog))
-    log = b" " * size
+    log = bytearray(size)
     ok(nvrtc.nvrtcGetProgramLog(prog, log))
-    log_text = log.rstrip(b"\x00").decode().strip()
+    log_text = bytes(log).rstrip(b"\x00").decode().strip()
     assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, log_text
     if want_cubin:
         (size,) = ok(nvrtc.nvrtcGetCUBINSize(prog))
-        buf = b" " * size
+        buf = bytearray(size)
         ok(nvrtc.nvrtcGetCUBIN(prog, buf))
     else:
         (size,) = ok(nvrtc.nvrtcGetPTXSize(prog))
-        buf = b" " * size
+        buf = bytearray(size)
         ok(nvrtc.nvrtcGetPTX(prog, buf))
     nvrtc.nvrtcDestroyProgram(prog)
-    return buf, log_text
+    # The interpreter's one-byte bytes objects are untouched.
+    assert all(bytes([c])[0] == c for c in range(256))
+    return bytes(buf), log_text
 
 
 def _check_ptx(ptx: str, arch: int) -> None:
