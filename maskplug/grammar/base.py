@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -26,9 +28,11 @@ __all__ = [
     "ProviderBase",
     "Vocab",
     "check_bitmask",
+    "check_chain_args",
     "check_token",
     "grammar_provider",
     "grammar_providers",
+    "spread_tasks",
 ]
 
 SPEC_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice")
@@ -501,3 +505,61 @@ class MatcherBase:
     def is_terminated(self) -> bool:
         """Whether a stop token was accepted."""
         return self._terminated
+
+
+# -- helpers shared by providers' batch operations ------------------------------------
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(workers)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-grammar")
+            _POOLS[workers] = pool
+        return pool
+
+
+def spread_tasks(task: Callable[[int], None], n: int, workers: int) -> None:
+    """Run ``task(0..n-1)`` on ``workers`` threads (the caller and a pool), each taking the next index when free.
+
+    Chains differ in cost by two orders of magnitude (grammar and state), so
+    fixed shares would leave one worker with most of the work.
+    """
+    if workers <= 1:
+        for i in range(n):
+            task(i)
+        return
+    # next() on a shared itertools.count is atomic under the GIL.
+    counter = itertools.count()
+
+    def worker() -> None:
+        for i in counter:
+            if i >= n:
+                return
+            task(i)
+
+    # The calling thread is one of the workers: it would only wait otherwise.
+    futures = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
+    try:
+        worker()
+    finally:
+        for f in futures:
+            f.result()
+
+
+def check_chain_args(
+    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
+) -> None:
+    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
+    if len(rows) != n or len(drafts) != n:
+        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
+    if n:
+        first = min(int(r) for r in rows)
+        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
+        check_bitmask(bitmask, last, vocab)
+        if first < 0:
+            raise GrammarError(f"rows: expected first rows >= 0, got {first}")

@@ -35,11 +35,9 @@ What this module normalises, so callers see maskplug's matcher semantics:
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from typing import cast
 
 import numpy as np
@@ -49,7 +47,15 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
 from maskplug import GrammarError
-from maskplug.grammar.base import GrammarSpec, Matcher, MatcherBase, ProviderBase, Vocab, check_bitmask
+from maskplug.grammar.base import (
+    GrammarSpec,
+    Matcher,
+    MatcherBase,
+    ProviderBase,
+    Vocab,
+    check_chain_args,
+    spread_tasks,
+)
 
 __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
 
@@ -212,62 +218,6 @@ class LLGuidanceMatcher(MatcherBase):
         return len(self._tokens) + int(self._terminated)
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-llguidance")
-            _POOLS[workers] = pool
-        return pool
-
-
-def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
-    """Run ``task(0..n-1)`` on ``workers`` threads (the caller and a pool), each taking the next index when free.
-
-    Chains differ in cost by two orders of magnitude (grammar and state), so
-    fixed shares would leave one worker with most of the work.
-    """
-    if workers <= 1:
-        for i in range(n):
-            task(i)
-        return
-    # next() on a shared itertools.count is atomic under the GIL.
-    counter = itertools.count()
-
-    def worker() -> None:
-        for i in counter:
-            if i >= n:
-                return
-            task(i)
-
-    # The calling thread is one of the workers: it would only wait otherwise.
-    futures = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
-    try:
-        worker()
-    finally:
-        for f in futures:
-            f.result()
-
-
-def _check_chain_args(
-    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
-) -> None:
-    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
-    if len(rows) != n or len(drafts) != n:
-        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
-    if n:
-        first = min(int(r) for r in rows)
-        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
-        check_bitmask(bitmask, last, vocab)
-        if first < 0:
-            raise GrammarError(f"rows: expected first rows >= 0, got {first}")
-
-
 class LLGuidanceBatchOps:
     """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
 
@@ -373,7 +323,7 @@ class LLGuidanceBatchOps:
         the same masks than this walk (``benchmarks/RESULTS.md``).
         """
         n = len(matchers)
-        _check_chain_args(bitmask, rows, drafts, n, self.provider.vocab)
+        check_chain_args(bitmask, rows, drafts, n, self.provider.vocab)
         owners: list[LLGuidanceMatcher] = []
         for m in matchers:
             if not isinstance(m, LLGuidanceMatcher) or m.is_terminated():
@@ -424,7 +374,7 @@ class LLGuidanceBatchOps:
                     m._rebuild()
             out[i] = took
 
-        _spread(walk, n, min(n, 1 if threads is None else max(1, int(threads))))
+        spread_tasks(walk, n, min(n, 1 if threads is None else max(1, int(threads))))
         return out
 
 

@@ -45,7 +45,7 @@ from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
 from maskplug import GrammarError
-from maskplug.grammar.base import GrammarSpec, MatcherBase, ProviderBase, Vocab, check_bitmask
+from maskplug.grammar.base import GrammarSpec, MatcherBase, ProviderBase, Vocab, check_chain_args
 
 __all__ = [
     "MaskCache",
@@ -284,20 +284,6 @@ class OutlinesMatcher(MatcherBase):
         return len(self._tokens) + int(self._terminated)
 
 
-def _check_chain_args(
-    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
-) -> None:
-    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
-    if len(rows) != n or len(drafts) != n:
-        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
-    if n:
-        first = min(int(r) for r in rows)
-        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
-        check_bitmask(bitmask, last, vocab)
-        if first < 0:
-            raise GrammarError(f"rows: expected first rows >= 0, got {first}")
-
-
 class _Pending:
     """Rows of one batch call: runs of cached rows to copy, and rows written directly by the engine."""
 
@@ -390,7 +376,7 @@ class OutlinesBatchOps:
         flag of every written row is set to whether it allows exactly one
         token (known per cached state, so no scan of the rows is needed).
         """
-        _check_chain_args(bitmask, rows, drafts, len(matchers), self.vocab)
+        check_chain_args(bitmask, rows, drafts, len(matchers), self.vocab)
         pending = _Pending()
         out: list[int] = []
         eos, special, n_tokens = self._eos, self._special, self._n_tokens

@@ -24,13 +24,10 @@ How xgrammar's behaviour is normalised to maskplug's matcher contract:
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,7 +36,14 @@ import xgrammar as xgr
 
 import maskplug
 from maskplug import GrammarError
-from maskplug.grammar import GrammarSpec, MatcherBase, ProviderBase, Vocab, check_bitmask
+from maskplug.grammar.base import (
+    GrammarSpec,
+    MatcherBase,
+    ProviderBase,
+    Vocab,
+    check_chain_args,
+    spread_tasks,
+)
 
 __all__ = ["XGrammarBatchOps", "XGrammarCompiled", "XGrammarMatcher", "XGrammarProvider"]
 
@@ -121,62 +125,6 @@ class XGrammarMatcher(MatcherBase):
         return twin
 
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-xgrammar")
-            _POOLS[workers] = pool
-        return pool
-
-
-def _spread(task: Callable[[int], None], n: int, workers: int) -> None:
-    """Run ``task(0..n-1)`` on ``workers`` threads (the caller and a pool), each taking the next index when free.
-
-    Chains differ in cost by two orders of magnitude (grammar and state), so
-    fixed shares would leave one worker with most of the work.
-    """
-    if workers <= 1:
-        for i in range(n):
-            task(i)
-        return
-    # next() on a shared itertools.count is atomic under the GIL.
-    counter = itertools.count()
-
-    def worker() -> None:
-        for i in counter:
-            if i >= n:
-                return
-            task(i)
-
-    # The calling thread is one of the workers: it would only wait otherwise.
-    futures = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
-    try:
-        worker()
-    finally:
-        for f in futures:
-            f.result()
-
-
-def _check_chain_args(
-    bitmask: torch.Tensor, rows: Sequence[int], drafts: Sequence[Sequence[int]], n: int, vocab: Vocab
-) -> None:
-    """Validate ``fill_chains`` arguments before anything is written (the fills trust the buffer)."""
-    if len(rows) != n or len(drafts) != n:
-        raise GrammarError(f"rows, drafts: expected {n} each (one per matcher), got {len(rows)} and {len(drafts)}")
-    if n:
-        first = min(int(r) for r in rows)
-        last = max(int(r) + len(d) for r, d in zip(rows, drafts, strict=True))
-        check_bitmask(bitmask, last, vocab)
-        if first < 0:
-            raise GrammarError(f"rows: expected first rows >= 0, got {first}")
-
-
 class XGrammarBatchOps:
     """Batch fill/accept/rollback over xgrammar matchers (see :class:`maskplug.grammar.BatchOps`)."""
 
@@ -218,7 +166,7 @@ class XGrammarBatchOps:
         calls release the GIL); matchers end where they started.
         """
         n = len(matchers)
-        _check_chain_args(bitmask, rows, drafts, n, self.vocab)
+        check_chain_args(bitmask, rows, drafts, n, self.vocab)
         if not n:
             return []
         lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
@@ -240,7 +188,7 @@ class XGrammarBatchOps:
             child, sibling = self._tree(k)
             raws[i].traverse_draft_tree(child, sibling, toks[i, : k + 1], bitmask[starts[i] : starts[i] + k + 1])
 
-        _spread(one, n, min(n, self.max_threads if threads is None else max(1, int(threads))))
+        spread_tasks(one, n, min(n, self.max_threads if threads is None else max(1, int(threads))))
 
         # Accepted count: leading drafts whose bit is set in the row before them,
         # cut just after the first accepted stop token.
