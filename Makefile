@@ -2,7 +2,7 @@
 #   make demo   the main job: an end-to-end structured-output serving simulation
 #   make test   the whole test suite (core, plugins, engine adapters)
 #   make lint   ruff + mypy
-#   make bench  the benchmarks (results go to benchmarks/RESULTS.md by hand)
+#   make bench  the benchmarks: maskplug bench, then the full scripts under benchmarks/
 
 PYTHON ?= python3
 VENV   := .venv
@@ -41,7 +41,11 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(VENV)/bin/maskplug bench
+	$(PY) benchmarks/host_path.py
+	$(PY) benchmarks/cpu_apply.py
+	$(PY) benchmarks/draft_rows.py
+	$(PY) benchmarks/schedulers.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
