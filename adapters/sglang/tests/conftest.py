@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "ci",
-    max_examples=1000,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    derandomize=True,
-)
-settings.register_profile(
-    "dev",
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+from maskplug.testing import load_hypothesis_profile
+
+load_hypothesis_profile()  # the core suite's profiles: CI runs every property with 1,000 examples
 
 SCHEMA_DIR = Path(__file__).resolve().parents[3] / "shared" / "schemas"
 if not SCHEMA_DIR.is_dir():  # a clone next to a shared/ folder one level up
