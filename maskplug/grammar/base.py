@@ -32,6 +32,7 @@ __all__ = [
     "check_token",
     "grammar_provider",
     "grammar_providers",
+    "shared_pool",
     "spread_tasks",
 ]
 
@@ -513,8 +514,8 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size (starting threads every step would cost more than a chain)."""
+def shared_pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide thread pool per size (starting threads every step would cost more than the work)."""
     with _POOLS_LOCK:
         pool = _POOLS.get(workers)
         if pool is None:
@@ -543,7 +544,7 @@ def spread_tasks(task: Callable[[int], None], n: int, workers: int) -> None:
             task(i)
 
     # The calling thread is one of the workers: it would only wait otherwise.
-    futures = [_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
+    futures = [shared_pool(workers - 1).submit(worker) for _ in range(workers - 1)]
     try:
         worker()
     finally:

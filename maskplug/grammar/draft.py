@@ -24,9 +24,7 @@ state at all) what the generic walk does with one Python call per row.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -36,7 +34,7 @@ import torch
 from ..draftmasks import DraftMasks
 from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
-from .base import Matcher, check_bitmask
+from .base import Matcher, check_bitmask, shared_pool
 
 __all__ = ["commit", "fill_draft_masks"]
 
@@ -142,19 +140,6 @@ def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArr
 
 # os.cpu_count() is a system call; the answer does not change while running.
 _DEFAULT_THREADS = min(8, os.cpu_count() or 1)
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool per size: starting threads every step would cost more than small fills."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(workers)
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="maskplug-grammar")
-            _POOLS[workers] = pool
-        return pool
 
 
 class _Walk:
@@ -466,7 +451,7 @@ def fill_draft_masks(
                 # Interleaved chunks balance grammars of different cost across the workers.
                 workers = min(n_threads, len(single))
                 parts = [single[i::workers] for i in range(workers)]
-                list(_pool(workers).map(chunk, parts))
+                list(shared_pool(workers).map(chunk, parts))
             else:
                 chunk(single)
     finally:

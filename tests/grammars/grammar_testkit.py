@@ -129,3 +129,22 @@ def reference_rows(m: Matcher, v: Vocab, drafts: Sequence[int], num_bonus: int, 
 def compiled(provider: str, vocab_name: str, spec: GrammarSpec):  # type: ignore[no-untyped-def]
     """The provider's compiled grammar (cached by the provider)."""
     return grammar_provider(provider, vocab(vocab_name)).compile(spec)
+
+
+def small_vocab(extra: int = 0, eos: tuple[int, ...] = (0,)) -> Vocab:
+    """A tiny vocabulary: two control tokens, printable ASCII bytes and a few merges; ``extra`` padding ids."""
+    tokens = [b"</s>", b"<ctl>", *(bytes([c]) for c in range(32, 127)), b"ab", b"abc", b'{"', b'":', b"\n"]
+    return Vocab(tokens, eos_ids=eos, special_ids=(1,), vocab_size=len(tokens) + extra)
+
+
+def tid(vocab: Vocab, piece: bytes) -> int:
+    """The id of a token by its bytes."""
+    return vocab.tokens.index(piece)
+
+
+def allowed(m: Matcher, vocab: Vocab) -> set[int]:
+    """The token ids a matcher allows now."""
+    b = vocab.new_bitmask(1)
+    m.fill(b, 0)
+    bits = np.unpackbits(b[0].numpy().view(np.uint8), bitorder="little")[: vocab.vocab_size]
+    return set(np.flatnonzero(bits).tolist())

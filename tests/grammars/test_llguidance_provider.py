@@ -10,6 +10,7 @@ import llguidance
 import numpy as np
 import pytest
 import torch
+from grammar_testkit import allowed, small_vocab, tid
 from maskplug_llguidance import LLGuidanceMatcher, LLGuidanceProvider
 
 from maskplug import GrammarError
@@ -17,23 +18,6 @@ from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, gram
 
 NAME = "llguidance"
 SCHEMA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "schemas"
-
-
-def small_vocab(extra: int = 0, eos: tuple[int, ...] = (0,)) -> Vocab:
-    """A tiny vocabulary: two control tokens, printable ASCII bytes and a few merges; ``extra`` padding ids."""
-    tokens = [b"</s>", b"<ctl>", *(bytes([c]) for c in range(32, 127)), b"ab", b"abc", b'{"', b'":', b"\n"]
-    return Vocab(tokens, eos_ids=eos, special_ids=(1,), vocab_size=len(tokens) + extra)
-
-
-def tid(vocab: Vocab, piece: bytes) -> int:
-    return vocab.tokens.index(piece)
-
-
-def allowed(m: Matcher, vocab: Vocab) -> set[int]:
-    b = vocab.new_bitmask(1)
-    m.fill(b, 0)
-    bits = np.unpackbits(b[0].numpy().view(np.uint8), bitorder="little")[: vocab.vocab_size]
-    return set(np.flatnonzero(bits).tolist())
 
 
 def test_registered_with_every_kind() -> None:

@@ -8,29 +8,13 @@ import numpy as np
 import outlines_core
 import pytest
 import torch
+from grammar_testkit import allowed, small_vocab, tid
 from maskplug_outlines import OutlinesMatcher, OutlinesProvider
 
 from maskplug import GrammarError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers, mistral_tekken
 
 NAME = "outlines-core"
-
-
-def small_vocab(extra: int = 0, eos: tuple[int, ...] = (0,)) -> Vocab:
-    """A tiny vocabulary: two control tokens, printable ASCII bytes and a few merges; ``extra`` padding ids."""
-    tokens = [b"</s>", b"<ctl>", *(bytes([c]) for c in range(32, 127)), b"ab", b"abc", b'{"', b'":', b"\n"]
-    return Vocab(tokens, eos_ids=eos, special_ids=(1,), vocab_size=len(tokens) + extra)
-
-
-def tid(vocab: Vocab, piece: bytes) -> int:
-    return vocab.tokens.index(piece)
-
-
-def allowed(m: Matcher, vocab: Vocab) -> set[int]:
-    b = vocab.new_bitmask(1)
-    m.fill(b, 0)
-    bits = np.unpackbits(b[0].numpy().view(np.uint8), bitorder="little")[: vocab.vocab_size]
-    return set(np.flatnonzero(bits).tolist())
 
 
 def test_registered_with_declared_kinds() -> None:
