@@ -2,66 +2,27 @@
 
 All argument checks happen here, before any backend runs, so a bad call never
 writes a single logit. Backends receive normalised arguments (see
-:class:`KernelBackend`) and only decide how to write.
+:class:`KernelBackend`, defined with everything else a backend needs in
+:mod:`maskplug.kernels.sdk`) and only decide how to write.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from .errors import BackendUnavailable, LayoutError
+from .kernels.sdk import KernelBackend
 from .layout import RowMapping
 from .plugins import get_registry
 
 __all__ = ["KernelBackend", "apply_grammar_bitmask", "backend_status", "resolve_backend"]
 
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@runtime_checkable
-class KernelBackend(Protocol):
-    """What a kernel plugin registers through ``maskplug_register_kernels``.
-
-    ``apply`` receives validated, normalised arguments:
-
-    * ``logits``: 2-D fp32/fp16/bf16, column stride 1, any row stride;
-    * ``bitmask``: contiguous int32 ``(rows, words)`` on the logits device;
-    * ``request``, ``position``: contiguous int32 ``(rows,)`` on the logits
-      device (``request == -1`` marks an unused row);
-    * ``cu_logits``: contiguous int32 ``(n + 1,)`` on the logits device;
-    * ``vocab_size``: columns ``< vocab_size`` follow the bits
-      (``vocab_size <= 32 * words`` and ``<= logits width``);
-    * ``mask_tail``: set live rows' columns ``>= vocab_size`` to ``-inf``.
-
-    It must write ``-inf`` exactly at the disallowed columns of live rows, change
-    nothing else, apply duplicate rows as the AND of their masks, and never
-    synchronise with the host on a CUDA device.
-    """
-
-    name: str
-    priority: int
-
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """``None`` when the backend can run on ``device``, else why not."""
-        ...
-
-    def apply(
-        self,
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> None:
-        """Mask ``logits`` in place."""
-        ...
 
 
 def backend_status(device: torch.device | str | None = None) -> dict[str, str | None]:

@@ -24,12 +24,10 @@ import numpy as np
 import torch
 
 from ..hookspecs import hookimpl
+from .sdk import INT_VIEW, NINF_BITS, BackendBase, Launcher
 
 __all__ = ["TorchBackend"]
 
-# Bit patterns of -inf per element width.
-_NINF = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: -128}  # 0xFF800000, 0xFC00, 0xFF80
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 _CHUNK_ELEMS = 1 << 17  # 512 KB of int32 keep-mask per chunk: it and its logits stay in L2
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
 
@@ -59,31 +57,20 @@ def _apply_rows(xi: torch.Tensor, keep: torch.Tensor, ninf: int) -> None:
     xi.bitwise_xor_(ninf).bitwise_and_(keep).bitwise_xor_(ninf)
 
 
-class TorchBackend:
+class TorchBackend(BackendBase):
     """Pure-torch kernel backend; exact on every device torch supports."""
 
     name = "torch"
     priority = 0  # the fallback: any installed specialised backend wins on "auto"
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
+    def probe(self, device: torch.device) -> str | None:
         if device.type in ("cpu", "cuda"):
             return None
         return f"untested device type {device.type!r}"
 
-    def apply(
-        self,
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> None:
-        if logits.device.type == "cpu":
-            self._apply_cpu(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)
-        else:
-            self._apply_device(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)
+    def launcher(self, device: torch.device) -> Launcher:
+        """The host-driven CPU path, or the sync-free device path."""
+        return self._apply_cpu if device.type == "cpu" else self._apply_device
 
     # -- CPU: live rows known on the host ----------------------------------------
     def _apply_cpu(
@@ -115,8 +102,8 @@ class TorchBackend:
             words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
             src, dst = np.arange(starts.size), dst[starts]
         width = logits.shape[1]
-        itype = _INT_VIEW[logits.dtype]
-        ninf = _NINF[logits.dtype]
+        itype = INT_VIEW[logits.dtype]
+        ninf = NINF_BITS[logits.dtype]
         xi_all = logits.view(itype)  # same element size: a bit-pattern view, any row stride
         step = max(1, _CHUNK_ELEMS // max(width, 1))
         contiguous_src = src.size == 0 or bool(np.all(np.diff(src) == 1))
@@ -160,8 +147,8 @@ class TorchBackend:
             live = torch.zeros_like(req, dtype=torch.bool)
             dst = torch.full_like(pos, num_rows)
         dst = dst.clamp(0, num_rows)  # defensive: never index past the scratch row
-        itype = _INT_VIEW[logits.dtype]
-        ninf = _NINF[logits.dtype]
+        itype = INT_VIEW[logits.dtype]
+        ninf = NINF_BITS[logits.dtype]
         xi = logits.view(itype)
         keep_all = _keep_mask(bitmask, width, vocab_size, mask_tail, itype)
         block = max(32, _DEVICE_BLOCK_ELEMS // max(num_rows + 1, 1) // 32 * 32)

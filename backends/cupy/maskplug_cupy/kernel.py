@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from maskplug.kernels.sdk import device_index, ninf_bits, num_sms
+
 __all__ = [
     "ARG_NAMES",
     "BLOCK",
@@ -37,9 +39,6 @@ _BLOCKS_PER_SM = 8  # 8 × 256 threads fill an SM; fewer leave the row-lookup la
 
 KERNELS = {4: "maskplug_mask_b32", 2: "maskplug_mask_b16"}
 """Kernel name per element size in bytes."""
-
-# Unsigned bit pattern of -inf per dtype.
-_NINF_BITS = {torch.float32: 0xFF800000, torch.float16: 0xFC00, torch.bfloat16: 0xFF80}
 
 ARG_NAMES = (
     "logits",
@@ -128,7 +127,7 @@ def plan_launch(
         np.int32(chunks),
         np.int32(packs_per_chunk),
         np.int32(1 if aligned else 0),
-        np.uint32(_NINF_BITS[logits.dtype]),
+        np.uint32(ninf_bits(logits.dtype, unsigned=True)),
     )
     return LaunchPlan(KERNELS[esize], rows * chunks, block, pack, chunks, packs_per_chunk, aligned, args)
 
@@ -186,11 +185,6 @@ def _cupy_stream(ptr: int, index: int) -> Any:
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def launch(
     logits: torch.Tensor,
     bitmask: torch.Tensor,
@@ -203,8 +197,8 @@ def launch(
     """Launch on the current torch stream of ``logits``' device (normalised arguments)."""
     import cupy
 
-    index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-    plan = plan_launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail, _num_sms(index))
+    index = device_index(logits.device)
+    plan = plan_launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail, num_sms(index))
     if plan is None:
         return
     fn = load_functions(index)[plan.kernel]

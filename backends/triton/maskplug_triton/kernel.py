@@ -1,6 +1,6 @@
 """The Triton kernel that applies grammar mask rows to compacted logits.
 
-Semantics (maskplug DESIGN §4.4): mask row ``i`` with
+Semantics (``docs/design.md``, "Applying masks"): mask row ``i`` with
 ``(r, p) = (request[i], position[i])`` writes logits row ``cu_logits[r] + p``
 iff ``0 <= r < n``, ``p >= 0`` and ``p < cu_logits[r+1] - cu_logits[r]``. Columns
 ``< vocab_size`` whose bit is 0 become ``-inf``; columns in
@@ -41,22 +41,19 @@ Design choices, each for bandwidth or for correctness:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from maskplug.kernels.sdk import device_index, int_view, ninf_bits, num_sms
+
 __all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "kernel_fn", "launch", "launch_shape"]
 
 BLOCK_W = 32  # mask words per tile: 1,024 columns
 MAX_TILES = 16  # tiles per program for large batches
 _PROGRAMS_PER_SM = 8  # enough resident programs to hide the row-lookup latency
-
-# Bit pattern of -inf per element width, as the signed integer of that width.
-_NINF_BITS = {torch.float32: -8388608, torch.float16: -1024, torch.bfloat16: -128}  # 0xFF800000, 0xFC00, 0xFF80
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 @triton.jit
@@ -126,15 +123,10 @@ def _mask_kernel(
                 tl.store(out + cols, ninf, mask=drop)
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a small machine, so small test shapes still use several tiles
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(device_index(device))
 
 
 def launch_shape(rows: int, limit: int, num_sms: int) -> tuple[int, int, int]:
@@ -174,7 +166,7 @@ def launch(
     if rows == 0 or logits.shape[0] == 0 or limit == 0:
         return
     tiles, chunks, programs = launch_shape(rows, limit, _sm_count(logits.device))
-    xi = logits.view(_INT_VIEW[logits.dtype])
+    xi = int_view(logits)
     # A 1-row tensor may report any row stride; it is never multiplied by a row > 0.
     row_stride = int(logits.stride(0)) if logits.shape[0] > 1 else width
     _mask_kernel[(programs,)](
@@ -189,7 +181,7 @@ def launch(
         int(vocab_size),
         limit,
         chunks,
-        NINF=_NINF_BITS[logits.dtype],
+        NINF=ninf_bits(logits.dtype),
         PACK=16 // logits.element_size(),
         BLOCK_W=BLOCK_W,
         TILES=tiles,

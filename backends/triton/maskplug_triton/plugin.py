@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
-import threading
 from types import ModuleType
 from typing import Any
 
 import torch
 
 import maskplug
+from maskplug.kernels.sdk import BackendBase, Launcher, cuda_unavailable_reason, device_index, import_reason
 
 __all__ = ["BACKEND", "TritonBackend", "maskplug_register_kernels"]
 
 
-class TritonBackend:
+@functools.cache
+def _kernel() -> ModuleType:
+    """``maskplug_triton.kernel``, imported on first use (after the availability check)."""
+    return importlib.import_module("maskplug_triton.kernel")
+
+
+class TritonBackend(BackendBase):
     """Kernel backend running :mod:`maskplug_triton.kernel`.
 
     Priority 10: above the built-in torch backend (0), below maskplug-cupy (20).
@@ -23,34 +30,19 @@ class TritonBackend:
     masks that mix allowed and disallowed tokens at fine grain the CUDA kernel
     issues fewer stores; ``benchmarks/gpu_check.sh`` measures both, and
     ``MASKPLUG_KERNEL_BACKEND=triton`` overrides the choice.
+
+    Importing Triton waits for the first availability check, so a missing or
+    broken Triton is that check's answer, not an import error.
     """
 
     name = "triton"
     priority = 10
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kernel: ModuleType | None = None
-        self._import_error: str | None = None
-        self._reasons: dict[tuple[str, int | None], str | None] = {}
-
-    def _load(self) -> ModuleType | None:
-        """Import the kernel module once; remember why it failed if it did."""
-        if self._kernel is None and self._import_error is None:
-            with self._lock:
-                if self._kernel is None and self._import_error is None:
-                    try:
-                        self._kernel = importlib.import_module("maskplug_triton.kernel")
-                        importlib.import_module("maskplug_triton.ops")
-                    except Exception as exc:  # reported as the unavailability reason
-                        self._import_error = f"triton is not importable: {type(exc).__name__}: {exc}"
-        return self._kernel
-
-    def _reason(self, device: torch.device) -> str | None:
-        kern = self._load()
-        if kern is None:
-            return self._import_error
-        interpreted = bool(kern.INTERPRETED)
+    def probe(self, device: torch.device) -> str | None:
+        failed = import_reason("maskplug_triton.kernel", "maskplug_triton.ops")
+        if failed is not None:
+            return f"triton is not importable: {failed}"
+        interpreted = bool(_kernel().INTERPRETED)
         if device.type == "cpu":
             if interpreted:
                 return None
@@ -65,46 +57,23 @@ class TritonBackend:
                 "TRITON_INTERPRET=1 was set when maskplug_triton.kernel was imported: the kernel would run "
                 "in the Python interpreter, which is meant for CPU tests, not CUDA tensors"
             )
-        if not torch.cuda.is_available():
-            return "no CUDA device: torch.cuda.is_available() is False"
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index >= torch.cuda.device_count():
-            return f"no CUDA device {index}: torch sees {torch.cuda.device_count()}"
+        no_device = cuda_unavailable_reason(device)
+        if no_device is not None:
+            return no_device
         if torch.version.hip is None:
-            major, minor = torch.cuda.get_device_capability(index)
+            major, minor = torch.cuda.get_device_capability(device_index(device))
             if (major, minor) < (7, 5):
                 return f"compute capability {major}.{minor} is below the 7.5 that Triton supports"
         return None
 
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        """``None`` when the kernel can run on ``device``, else the precise reason."""
-        key = (device.type, device.index)
-        if key not in self._reasons:
-            # Cached: dispatch asks on every call, and the answer cannot change in a process.
-            self._reasons[key] = self._reason(device)
-        return self._reasons[key]
+    def launcher(self, device: torch.device) -> Launcher:
+        """The Triton launcher, called directly rather than through the custom op.
 
-    def apply(
-        self,
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> None:
-        """Mask ``logits`` in place (normalised arguments, see ``maskplug.KernelBackend``).
-
-        Calls the launcher directly rather than through the custom op: the op's
-        dispatcher round trip costs host microseconds that a decode step at
-        batch 1 would notice. The op (``torch.ops.maskplug_triton.apply_bitmask``)
+        The op's dispatcher round trip costs host microseconds that a decode
+        step at batch 1 would notice; ``torch.ops.maskplug_triton.apply_bitmask``
         is there for code traced by ``torch.compile``.
         """
-        kern = self._load()
-        if kern is None:
-            raise maskplug.BackendUnavailable(f"backend: 'triton' cannot run: {self._import_error}")
-        kern.launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)
+        return _kernel().launch
 
 
 BACKEND = TritonBackend()

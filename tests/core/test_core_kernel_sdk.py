@@ -1,0 +1,128 @@
+"""``maskplug.kernels.sdk``: the pieces every kernel backend shares."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import maskplug
+from maskplug.kernels import sdk
+from maskplug.kernels.torch_backend import TorchBackend
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ninf_bits_are_the_bits_of_minus_infinity(dtype: torch.dtype) -> None:
+    ninf = torch.tensor([float("-inf")], dtype=dtype)
+    assert sdk.int_view(ninf).item() == sdk.ninf_bits(dtype) == sdk.NINF_BITS[dtype]
+    width = 8 * ninf.element_size()
+    assert sdk.ninf_bits(dtype, unsigned=True) == sdk.ninf_bits(dtype) + (1 << width)
+    assert sdk.INT_VIEW[dtype].itemsize == ninf.element_size()
+
+
+def test_int_view_shares_storage_and_strides() -> None:
+    x = torch.randn(4, 10)[:, 2:7]
+    xi = sdk.int_view(x)
+    assert xi.dtype == torch.int32 and xi.stride() == x.stride() and xi.data_ptr() == x.data_ptr()
+    xi[1, 1] = sdk.ninf_bits(torch.float32)
+    assert x[1, 1].item() == float("-inf")
+
+
+def test_import_reason_names_the_failure() -> None:
+    assert sdk.import_reason("math", "json") is None
+    why = sdk.import_reason("math", "maskplug_no_such_module_here")
+    assert why is not None and why.startswith("ModuleNotFoundError: ") and "maskplug_no_such_module_here" in why
+
+
+class _Counting(sdk.BackendBase):
+    """A backend that runs on CPU only and counts its probes and launches."""
+
+    name = "counting"
+    priority = -1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.probes: list[torch.device] = []
+        self.launches = 0
+
+    def probe(self, device: torch.device) -> str | None:
+        self.probes.append(device)
+        return None if device.type == "cpu" else f"runs on CPU only, got {device.type}"
+
+    def launcher(self, device: torch.device) -> sdk.Launcher:
+        def launch(*args: object) -> None:
+            self.launches += 1
+
+        return launch
+
+
+def _normalised(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = torch.device(device)
+    logits = torch.randn(2, 64, device=dev)
+    bitmask = torch.zeros(2, 2, dtype=torch.int32, device=dev)
+    rows = torch.arange(2, dtype=torch.int32, device=dev)
+    return logits, bitmask, rows, torch.zeros(2, dtype=torch.int32, device=dev), torch.arange(3, dtype=torch.int32)
+
+
+def test_backend_base_probes_once_per_device_across_threads() -> None:
+    be = _Counting()
+    assert isinstance(be, sdk.KernelBackend)
+    results: list[str | None] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(be.unavailable_reason(torch.device("cpu")))) for _ in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [None] * 8
+    assert be.unavailable_reason(torch.device("meta")) == "runs on CPU only, got meta"
+    assert be.unavailable_reason(torch.device("meta")) == "runs on CPU only, got meta"
+    assert [d.type for d in be.probes] == ["cpu", "meta"]
+
+
+def test_backend_base_apply_refuses_an_unavailable_device_and_writes_nothing() -> None:
+    be = _Counting()
+    logits, bitmask, req, pos, cu = _normalised("meta")
+    with pytest.raises(maskplug.BackendUnavailable, match=r"^backend: 'counting' cannot run on meta: runs on CPU only"):
+        be.apply(logits, bitmask, req, pos, cu, 64, True)
+    assert be.launches == 0
+    be.apply(*_normalised("cpu"), 64, True)
+    assert be.launches == 1
+
+
+def test_torch_backend_uses_the_base() -> None:
+    be = TorchBackend()
+    assert be.unavailable_reason(torch.device("meta")) == "untested device type 'meta'"
+    logits = torch.zeros(1, 32)
+    bitmask = torch.full((1, 1), 0b101, dtype=torch.int32)  # tokens 0 and 2 allowed
+    zero = torch.zeros(1, dtype=torch.int32)
+    be.apply(logits, bitmask, zero, zero, torch.tensor([0, 1], dtype=torch.int32), 32, True)
+    want = torch.full((1, 32), float("-inf"))
+    want[0, [0, 2]] = 0.0
+    assert torch.equal(logits, want)
+
+
+def test_define_apply_op_runs_the_launcher_and_refuses_other_devices() -> None:
+    seen: list[tuple[int, bool]] = []
+
+    def launch(logits: torch.Tensor, *tensors: torch.Tensor | int | bool) -> None:
+        *_, vocab_size, mask_tail = tensors
+        seen.append((int(vocab_size), bool(mask_tail)))
+        logits.fill_(float("-inf"))
+
+    sdk.define_apply_op("maskplug_sdk_test_any", launch)
+    sdk.define_apply_op("maskplug_sdk_test_cuda", launch, cuda_only=True)
+    logits, bitmask, req, pos, cu = _normalised()
+    torch.ops.maskplug_sdk_test_any.apply_bitmask(logits, bitmask, req, pos, cu, 64, False)
+    assert seen == [(64, False)] and bool(torch.isneginf(logits).all())
+    fresh = torch.randn(2, 64)
+    before = fresh.clone()
+    with pytest.raises(
+        maskplug.BackendUnavailable, match=r"^logits: maskplug_sdk_test_cuda::apply_bitmask runs on CUDA"
+    ):
+        torch.ops.maskplug_sdk_test_cuda.apply_bitmask(fresh, bitmask, req, pos, cu, 64, True)
+    assert len(seen) == 1 and torch.equal(fresh, before)
