@@ -48,26 +48,38 @@ def _curve(name: str, samples: Sequence[tuple[float, float]] | npt.NDArray[Any])
 
 
 class _Curve:
-    """Step cost of one phase as a function of its size."""
+    """Step cost of one phase as a function of its size (non-decreasing; see :meth:`CostModel.from_curves`)."""
 
     def __init__(self, x: FloatArray, y: FloatArray, graph_limit: int, table_max: int) -> None:
         self.x, self.y, self.graph_limit = x, y, graph_limit
+        # The padded cost at the capture limit: no size above the limit costs less.
+        self.limit_ms = float(self._padded(np.array([float(graph_limit)]))[0]) if graph_limit > 0 else 0.0
         self.table = self._eval(np.arange(table_max + 1, dtype=np.float64))
 
-    def _eval(self, s: FloatArray) -> FloatArray:
+    def _interpolated(self, s: FloatArray) -> FloatArray:
         x, y = self.x, self.y
         out = np.interp(s, x, y)  # flat below the first sample
         if x.shape[0] >= 2:
             slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
             past = s > x[-1]
             out = np.where(past, y[-1] + slope * (s - x[-1]), out)
-        if self.graph_limit > 0:
-            # Up to the graph-capture limit the engine pads to the next captured
-            # size, so the cost is that of the smallest sample >= s: a step function.
-            idx = np.minimum(np.searchsorted(x, s, side="left"), x.shape[0] - 1)
-            step = np.where(s <= x[-1], y[idx], out)
-            out = np.where(s <= self.graph_limit, step, out)
         return out
+
+    def _padded(self, s: FloatArray) -> FloatArray:
+        # The engine pads to the next captured size, so the cost is that of the
+        # smallest sample >= s (a step function); past the last sample, extrapolated.
+        x, y = self.x, self.y
+        idx = np.minimum(np.searchsorted(x, s, side="left"), x.shape[0] - 1)
+        return np.where(s <= x[-1], y[idx], self._interpolated(s))
+
+    def _eval(self, s: FloatArray) -> FloatArray:
+        if self.graph_limit <= 0:
+            return self._interpolated(s)
+        # Both pieces are non-decreasing (the samples are); only where the limit
+        # falls between two samples could the interpolation just above it undercut
+        # the padded cost at the limit, so it is raised to that cost there.
+        above = np.maximum(self._interpolated(s), self.limit_ms)
+        return np.where(s <= self.graph_limit, self._padded(s), above)
 
     def span(self, start: int, count: int) -> FloatArray:
         """Costs of sizes ``start .. start + count - 1``: a slice of the table when it covers them."""
@@ -85,7 +97,15 @@ class _Curve:
 
 
 class CostModel:
-    """Step cost in milliseconds: ``draft_ms(num_reqs) + verify_ms(num_tokens)``."""
+    """Step cost in milliseconds: ``draft_ms(num_reqs) + verify_ms(num_tokens)``.
+
+    Both costs are non-decreasing in their size: a step never costs less for
+    more requests or more tokens. Every model built by :meth:`from_curves` or
+    :meth:`linear` is, whatever samples it is given. The budget choice relies
+    on it (drafts that cannot be accepted never pay for themselves), so a
+    subclass that overrides ``draft_ms`` / ``verify_ms`` must keep it:
+    :func:`choose_budget` refuses a step cost that falls as the budget grows.
+    """
 
     def __init__(self, draft: _Curve, verify: _Curve) -> None:
         self._draft = draft
@@ -102,10 +122,15 @@ class CostModel:
     ) -> CostModel:
         """Build from profiled ``(size, ms)`` samples.
 
-        Samples are made monotone; up to ``graph_limit`` the cost is a step
-        function (the engine pads to captured graph sizes), above it linearly
-        interpolated, and past the last sample extrapolated linearly. Costs are
-        tabulated up to ``max_reqs`` / ``max_tokens`` for O(1) lookups.
+        Samples are made monotone (each time raised to the largest at a
+        smaller size: profiled timings are noisy). Up to ``graph_limit`` the
+        cost is a step function (the engine pads to captured graph sizes: a
+        size costs what the smallest sample at or above it costs), above it
+        linearly interpolated, and past the last sample extrapolated linearly.
+        Where ``graph_limit`` falls between two samples, sizes just above it
+        cost at least the padded cost at the limit, so the resulting cost is
+        non-decreasing in size everywhere. Costs are tabulated up to
+        ``max_reqs`` / ``max_tokens`` for O(1) lookups.
         """
         for name, v in (("max_reqs", max_reqs), ("max_tokens", max_tokens), ("graph_limit", graph_limit)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -290,6 +315,14 @@ def choose_budget(
         costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
             cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
         )
+        # Only a subclass can break the monotone-cost contract; the curves above keep it by construction.
+        falls = np.flatnonzero(np.diff(costs) < 0)
+        if falls.size:
+            b = int(falls[0])
+            raise BudgetError(
+                f"cost: expected step costs non-decreasing in the budget, got {float(costs[b])} ms at budget {b} "
+                f"and {float(costs[b + 1])} ms at budget {b + 1}"
+            )
     if np.any(costs <= 0):
         raise BudgetError(f"cost: expected positive step costs, got {float(costs.min())} ms")
     ratio = est / costs
