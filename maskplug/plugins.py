@@ -208,3 +208,6 @@ def reset_registry() -> None:
     global _registry
     with _lock:
         _registry = None
+    from .grammar.registry import clear_provider_cache  # late: the grammar package imports this module
+
+    clear_provider_cache()  # providers made by the old factories

@@ -3,34 +3,34 @@
 Providers live in their own distributions (``maskplug-xgrammar``,
 ``maskplug-outlines``, ``maskplug-llguidance``) and register through
 ``maskplug_register_grammar_providers``; the core only sees the protocols
-below. :mod:`maskplug.grammar.vocabs` loads vocabularies from tokenizer files
-(and the real ones in the ``mistral-common`` wheel).
+below. The modules:
+
+* :mod:`~maskplug.grammar.spec`: :class:`GrammarSpec` and :class:`Vocab`;
+* :mod:`~maskplug.grammar.protocols`: :class:`Matcher`, :class:`CompiledGrammar`,
+  :class:`GrammarProvider`, :class:`BatchOps` and :class:`ChainOps`;
+* :mod:`~maskplug.grammar.registry`: :func:`grammar_provider` and
+  :func:`grammar_providers`;
+* :mod:`~maskplug.grammar.sdk`: what a provider distribution builds on (bases,
+  argument checks, fixed rows, thread pools);
+* :mod:`~maskplug.grammar.draft`: draft-row filling and commit;
+* :mod:`~maskplug.grammar.vocabs`: vocabularies from tokenizer files (and the
+  real ones in the ``mistral-common`` wheel).
 """
 
 from __future__ import annotations
 
-from .base import (
-    SPEC_KINDS,
-    BatchOps,
-    CompileCache,
-    CompiledGrammar,
-    GrammarProvider,
-    GrammarSpec,
-    Matcher,
-    MatcherBase,
-    ProviderBase,
-    Vocab,
-    check_bitmask,
-    check_token,
-    grammar_provider,
-    grammar_providers,
-)
+from .bases import CompileCache, MatcherBase, ProviderBase
+from .checks import check_bitmask, check_token
 from .draft import commit, fill_draft_masks
+from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
+from .registry import grammar_provider, grammar_providers
+from .spec import SPEC_KINDS, GrammarSpec, Vocab
 from .vocabs import mistral_sentencepiece, mistral_tekken
 
 __all__ = [
     "SPEC_KINDS",
     "BatchOps",
+    "ChainOps",
     "CompileCache",
     "CompiledGrammar",
     "GrammarProvider",

@@ -34,7 +34,9 @@ import torch
 from ..draftmasks import DraftMasks
 from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
-from .base import Matcher, check_bitmask, shared_pool
+from .checks import check_bitmask
+from .pools import shared_pool
+from .protocols import Matcher
 
 __all__ = ["commit", "fill_draft_masks"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import GrammarError
-from .base import Vocab
+from .spec import Vocab
 
 __all__ = [
     "MISTRAL_SPECIAL_TOKENS",

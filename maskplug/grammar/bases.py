@@ -1,0 +1,339 @@
+"""Base classes for providers: the compile cache, provider and matcher bases, batch and chain operations.
+
+:class:`MatcherBase` turns a handful of engine primitives into the normalised
+:class:`~maskplug.grammar.Matcher` semantics; :class:`ProviderBase` adds the
+kind checks and the compile cache; :class:`BatchOpsBase` and
+:class:`ChainOpsBase` give batch operations their per-matcher defaults and the
+argument handling of ``fill_chains``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..errors import GrammarError
+from .checks import check_bitmask, check_chain_args, check_token
+from .protocols import BatchOps, CompiledGrammar, Matcher
+from .rows import stop_row
+from .spec import GrammarSpec, Vocab
+
+__all__ = ["BatchOpsBase", "ChainOpsBase", "CompileCache", "MatcherBase", "ProviderBase"]
+
+
+class CompileCache:
+    """A thread-safe cache of compiled grammars, keyed by :meth:`GrammarSpec.key`.
+
+    Only successes are stored: a spec that fails to compile raises again on
+    the next attempt (and is recompiled then), so a transient failure never
+    turns into a cached one. Concurrent compiles of the same key are
+    serialised so the work is done once.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get_or_compile(self, spec: GrammarSpec, compile_fn: Callable[[GrammarSpec], Any]) -> Any:
+        """The cached value for ``spec``, compiling it with ``compile_fn`` on a miss."""
+        key = spec.key()
+        with self._lock:
+            if key in self._items:
+                self.hits += 1
+                return self._items[key]
+            klock = self._key_locks.setdefault(key, threading.Lock())
+        with klock:
+            with self._lock:
+                if key in self._items:
+                    self.hits += 1
+                    return self._items[key]
+                self.misses += 1
+            value = compile_fn(spec)  # raises on failure: nothing is stored
+            with self._lock:
+                self._items[key] = value
+                self._key_locks.pop(key, None)
+            return value
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, spec: object) -> bool:
+        return isinstance(spec, GrammarSpec) and spec.key() in self._items
+
+    def clear(self) -> None:
+        """Forget every compiled grammar."""
+        with self._lock:
+            self._items.clear()
+
+
+class ProviderBase:
+    """A convenience base for providers: kind checks and the compile cache.
+
+    Subclasses set ``name`` and ``kinds`` and implement :meth:`_compile`,
+    which raises :class:`GrammarError` with the engine's reason on failure.
+    """
+
+    name: ClassVar[str] = ""
+    kinds: frozenset[str] = frozenset()
+
+    def __init__(self, vocab: Vocab) -> None:
+        if not isinstance(vocab, Vocab):
+            raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
+        self.vocab = vocab
+        self.cache = CompileCache()
+
+    def supports(self, kind: str) -> bool:
+        """Whether this provider compiles specs of ``kind``."""
+        return kind in self.kinds
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile ``spec`` for this provider's vocabulary (cached; failures are not)."""
+        if not isinstance(spec, GrammarSpec):
+            raise GrammarError(f"spec: expected a GrammarSpec, got {type(spec).__name__}")
+        if not self.supports(spec.kind):
+            raise GrammarError(f"spec.kind: provider {self.name!r} supports {sorted(self.kinds)}, got {spec.kind!r}")
+        return self.cache.get_or_compile(spec, self._compile)  # type: ignore[no-any-return]
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        raise NotImplementedError
+
+
+_M = TypeVar("_M", bound="MatcherBase")
+
+
+class MatcherBase:
+    """Normalised matcher semantics on top of a few engine primitives.
+
+    Subclasses implement ``_accept(token) -> bool`` (False and no state change
+    on refusal; a stop token is only offered when the engine should terminate),
+    ``_rollback(n)`` (undo ``n`` accepted non-stop tokens), ``_fill(bitmask,
+    row)``, ``_is_complete() -> bool`` (the text so far is a full match),
+    ``_reset()`` (the engine back to the start) and ``_fork()`` (a new matcher
+    with a copy of the engine state). This class tracks the stop token itself,
+    so what ``rollback`` counts, how a stop token in a final state is handled
+    and what a terminated matcher allows are the same everywhere:
+
+    * ``accept(stop)`` succeeds exactly when the text is complete, and
+      terminates; any token after that is refused;
+    * ``rollback(n)`` counts an accepted stop token as one;
+    * a terminated matcher's ``fill`` allows only the stop tokens.
+
+    Optional: ``_accepted_count()`` (accepted text tokens, when the engine
+    keeps them) bounds ``rollback`` and gives :attr:`num_accepted`. Batch
+    operations that drive engines directly use :meth:`_set_terminated` and
+    :meth:`_unwind_stop` to keep the stop-token bookkeeping.
+
+    ``releases_gil`` tells :func:`maskplug.fill_draft_masks` whether a thread
+    pool over matchers gains anything.
+    """
+
+    releases_gil: ClassVar[bool] = False
+    batch_ops: BatchOps | None = None
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+        self._terminated = False
+        self._stop_row: torch.Tensor | None = None
+
+    @property
+    def mask_words(self) -> int:
+        """Words per bitmask row this matcher fills."""
+        return self.vocab.mask_words
+
+    # -- engine primitives ----------------------------------------------------
+    def _accept(self, token: int) -> bool:
+        raise NotImplementedError
+
+    def _rollback(self, n: int) -> None:
+        raise NotImplementedError
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> bool | None:
+        """Write the row; may return whether it restricts anything (None: maskplug checks the row)."""
+        raise NotImplementedError
+
+    def _is_complete(self) -> bool:
+        raise NotImplementedError
+
+    def _reset(self) -> None:
+        raise NotImplementedError
+
+    def _fork(self: _M) -> _M:
+        raise NotImplementedError
+
+    def _accepted_count(self) -> int | None:
+        """Accepted text tokens (the stop token not counted), or None when the engine does not keep them."""
+        return None
+
+    # -- termination, for subclasses and their batch operations -------------------
+    # (``_terminated`` itself is this class's own; subclasses go through these two.)
+    def _set_terminated(self, terminated: bool) -> None:
+        """Record whether a stop token was accepted (for engines walked outside :meth:`accept`)."""
+        self._terminated = terminated
+
+    def _unwind_stop(self, n: int) -> int:
+        """Take an accepted stop token off a rollback of ``n``; return how many the engine must undo."""
+        if n > 0 and self._terminated:
+            self._terminated = False
+            return n - 1
+        return n
+
+    # -- the normalised protocol -------------------------------------------------
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False (state unchanged) when the grammar does not allow it."""
+        t = check_token(token, self.vocab)
+        if self._terminated:
+            return False
+        if t in self.vocab.eos_ids:
+            if self._is_complete():
+                self._terminated = True
+                return True
+            return False
+        if t in self.vocab.special_ids or t >= len(self.vocab.tokens):
+            return False
+        return self._accept(t)
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        """Length of the prefix of ``tokens`` the grammar accepts; the state is left as it was."""
+        toks = [check_token(t, self.vocab, f"tokens[{i}]") for i, t in enumerate(tokens)]
+        n = 0
+        try:
+            for t in toks:
+                if not self.accept(t):
+                    break
+                n += 1
+        finally:
+            if n:
+                self.rollback(n)
+        return n
+
+    def rollback(self, n: int) -> None:
+        """Undo the last ``n`` accepted tokens (an accepted stop token counts as one)."""
+        if isinstance(n, bool) or not hasattr(n, "__index__") or int(n) < 0:
+            raise GrammarError(f"n: expected an int >= 0, got {n!r}")
+        k = int(n)
+        done = self.num_accepted
+        if done is not None and k > done:
+            raise GrammarError(f"n: expected at most the {done} accepted tokens, got {k}")
+        k = self._unwind_stop(k)
+        if k:
+            self._rollback(k)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the allowed set into ``bitmask[row]``; False when it allows every token."""
+        r = check_bitmask(bitmask, row, self.vocab)
+        if self._terminated:
+            if self._stop_row is None:
+                self._stop_row = stop_row(self.vocab)
+            bitmask[r].copy_(self._stop_row)
+            return True
+        restricts = self._fill(bitmask, r)
+        if restricts is not None:
+            return bool(restricts)
+        return not bool((bitmask[r] == -1).all())
+
+    def is_terminated(self) -> bool:
+        """Whether a stop token was accepted."""
+        return self._terminated
+
+    def reset(self) -> None:
+        """Back to the start of the grammar."""
+        self._reset()
+        self._terminated = False
+
+    def fork(self: _M) -> _M:
+        """An independent matcher in the same state."""
+        twin = self._fork()
+        twin._set_terminated(self._terminated)
+        return twin
+
+    @property
+    def num_accepted(self) -> int | None:
+        """Tokens accepted so far, a stop token included (None when the engine does not keep count)."""
+        text = self._accepted_count()
+        return None if text is None else text + int(self._terminated)
+
+
+class BatchOpsBase:
+    """:class:`BatchOps` as per-matcher calls; providers override what their engine does in bulk."""
+
+    # Whether fill_chains sets the single-token flags of the rows it writes (see ChainOps).
+    fills_forced: ClassVar[bool] = False
+
+    def __init__(self, vocab: Vocab) -> None:
+        self.vocab = vocab
+
+    def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """``matchers[i].fill(bitmask, rows[i])`` for all ``i``."""
+        for m, r in zip(matchers, rows, strict=True):
+            m.fill(bitmask, int(r))
+
+    def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for all ``i``."""
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
+        """``matchers[i].rollback(counts[i])`` for all ``i``."""
+        for m, k in zip(matchers, counts, strict=True):
+            if int(k):
+                m.rollback(int(k))
+
+
+M = TypeVar("M", bound=MatcherBase)
+
+
+class ChainOpsBase(BatchOpsBase, Generic[M]):
+    """:class:`ChainOps` with the argument handling done: subclasses implement :meth:`_fill_chains`.
+
+    ``fill_chains`` checks the buffer and the rows, and that every matcher is a
+    live one of ``matcher_type``, before anything is written, then hands over.
+    ``default_threads`` is the worker count when the caller gives none.
+    """
+
+    matcher_type: type[M]
+    default_threads: int = 1
+
+    def fill_chains(
+        self,
+        matchers: Sequence[Matcher],
+        bitmask: torch.Tensor,
+        rows: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        threads: int | None = None,
+        forced: npt.NDArray[np.bool_] | None = None,
+    ) -> list[int]:
+        """Fill each request's draft rows; return how many drafts each accepts (see :class:`ChainOps`)."""
+        n = len(matchers)
+        check_chain_args(bitmask, rows, drafts, n, self.vocab)
+        owners: list[M] = []
+        for i, m in enumerate(matchers):
+            if not isinstance(m, self.matcher_type):
+                raise GrammarError(
+                    f"matchers[{i}]: fill_chains expects {self.matcher_type.__name__}, got {type(m).__name__}"
+                )
+            if m.is_terminated():
+                raise GrammarError(f"matchers[{i}]: fill_chains expects live matchers, got a terminated one")
+            owners.append(m)
+        if not n:
+            return []
+        workers = min(n, self.default_threads if threads is None else max(1, int(threads)))
+        return self._fill_chains(owners, bitmask, [int(r) for r in rows], drafts, workers, forced)
+
+    def _fill_chains(
+        self,
+        matchers: list[M],
+        bitmask: torch.Tensor,
+        rows: list[int],
+        drafts: Sequence[Sequence[int]],
+        workers: int,
+        forced: npt.NDArray[np.bool_] | None,
+    ) -> list[int]:
+        """The engine's walk over checked arguments (``workers`` >= 1 threads may be used)."""
+        raise NotImplementedError

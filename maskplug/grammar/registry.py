@@ -1,0 +1,43 @@
+"""Looking up registered grammar providers, one instance per provider and vocabulary."""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import GrammarError
+from ..plugins import get_registry
+from .protocols import GrammarProvider
+from .spec import Vocab
+
+__all__ = ["clear_provider_cache", "grammar_provider", "grammar_providers"]
+
+# (provider name, vocabulary fingerprint) -> the provider bound to that vocabulary.
+_providers: dict[tuple[str, str], GrammarProvider] = {}
+_lock = threading.Lock()
+
+
+def grammar_providers() -> list[str]:
+    """Names of the registered grammar providers."""
+    return sorted(get_registry().grammar_providers)
+
+
+def grammar_provider(name: str, vocab: Vocab) -> GrammarProvider:
+    """The provider ``name`` bound to ``vocab`` (one instance per vocabulary, so its compile cache is shared)."""
+    if not isinstance(vocab, Vocab):
+        raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
+    factories = get_registry().grammar_providers
+    if name not in factories:
+        raise GrammarError(f"name: expected one of the registered providers {sorted(factories)}, got {name!r}")
+    key = (name, vocab.fingerprint)
+    prov = _providers.get(key)
+    if prov is None:
+        made = factories[name](vocab)
+        with _lock:
+            prov = _providers.setdefault(key, made)
+    return prov
+
+
+def clear_provider_cache() -> None:
+    """Forget every provider instance (:func:`maskplug.reset_registry` calls this: the factories may change)."""
+    with _lock:
+        _providers.clear()
