@@ -112,6 +112,7 @@ def test_bad_apply_arguments(spoil: Callable[[Call], None], exc: type[mp.Maskplu
     before = call.logits.clone()
     with pytest.raises(exc) as info:
         call.run()
+    assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
     msg = str(info.value)
     assert msg.startswith(arg + ":") or f" {arg}:" in msg or f"{arg} " in msg, msg
     assert "expected" in msg, msg
@@ -203,13 +204,44 @@ def test_bad_arguments(call: Callable[[], Any], exc: type[mp.MaskplugError], arg
     conf_before = CONF.copy()
     with pytest.raises(exc) as info:
         call()
+    assert type(info.value) is exc, f"{type(info.value).__name__}: {info.value}"
     msg = str(info.value)
     assert msg.startswith(arg + ":") or f" {arg}:" in msg, msg
     assert "expected" in msg, msg
     np.testing.assert_array_equal(CONF, conf_before)
 
 
-def test_every_error_is_a_maskplug_error() -> None:
-    for cls in (mp.LayoutError, mp.BudgetError, mp.BackendUnavailable, mp.GrammarError, mp.PluginError):
-        assert issubclass(cls, mp.MaskplugError)
-    assert len(APPLY_CASES) + len(OTHER_CASES) >= 25
+# One real failing call per error class: (id, call, class, the builtin it also is, argument named).
+ONE_PER_CLASS: list[tuple[str, Callable[[], Any], type[mp.MaskplugError], type[Exception], str]] = [
+    ("layout", lambda: mp.ScheduledLayout(["x", "x"], [1, 1], [1, 1]), mp.LayoutError, ValueError, "req_ids"),
+    ("budget", lambda: mp.compact(_layout(), 6), mp.BudgetError, ValueError, "budget"),
+    ("backend", lambda: _with_backend("no-such-kernel").run(), mp.BackendUnavailable, RuntimeError, "backend"),
+    ("grammar-kind", lambda: mp.GrammarSpec("yaml", "a: 1"), mp.GrammarError, ValueError, "kind"),
+    ("grammar-vocab", lambda: mp.Vocab([b"a", b"b"], eos_ids=[]), mp.GrammarError, ValueError, "eos_ids"),
+    ("plugin", lambda: mp.get_scheduler("no-such-scheduler"), mp.PluginError, RuntimeError, "name"),
+]  # fmt: skip
+
+ERROR_CLASSES = (mp.LayoutError, mp.BudgetError, mp.BackendUnavailable, mp.GrammarError, mp.PluginError)
+
+
+def _with_backend(backend: str) -> Call:
+    call = good_call()
+    call.kwargs["backend"] = backend
+    return call
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "builtin", "arg"), [c[1:] for c in ONE_PER_CLASS], ids=[c[0] for c in ONE_PER_CLASS]
+)
+def test_each_error_class_comes_from_a_real_call(
+    call: Callable[[], Any], exc: type[mp.MaskplugError], builtin: type[Exception], arg: str
+) -> None:
+    """Exactly the documented class, catchable as ``MaskplugError`` and as its builtin, naming the argument."""
+    with pytest.raises(mp.MaskplugError) as info:
+        call()
+    err = info.value
+    assert type(err) is exc, f"{type(err).__name__}: {err}"
+    assert isinstance(err, builtin)
+    assert [cls for cls in ERROR_CLASSES if isinstance(err, cls)] == [exc]  # no class is a case of another
+    msg = str(err)
+    assert msg.startswith(arg + ":") and "expected" in msg, msg

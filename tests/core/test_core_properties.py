@@ -275,6 +275,8 @@ def test_mapping_matches_reference(batch: Batch) -> None:
 @given(batches(), st.data())
 def test_compact_matches_reference(batch: Batch, data: st.DataObject) -> None:
     layout = batch.layout
+    scheduled = (layout.num_drafts.copy(), layout.num_non_draft.copy(), layout.cu_scheduled.copy())
+    before = batch.rows.mapping(layout)
     budget = data.draw(st.integers(0, layout.total_drafts))
     with_capacity = data.draw(st.booleans())
     cap = _random_capacity(batch.rng, layout.num_drafts, budget) if with_capacity else None
@@ -284,9 +286,29 @@ def test_compact_matches_reference(batch: Batch, data: st.DataObject) -> None:
     np.testing.assert_array_equal(got.num_tokens_per_req, want.num_tokens_per_req)
     np.testing.assert_array_equal(got.cu_logits, want.cu_logits)
     assert got.num_tokens == int(layout.num_non_draft.sum()) + budget
-    # The mapping never depends on the budget.
-    m = batch.rows.mapping(layout)
-    assert len(m) == batch.rows.num_rows(layout)
+    # Compaction leaves the scheduled layout alone ...
+    for kept, now in zip(scheduled, (layout.num_drafts, layout.num_non_draft, layout.cu_scheduled), strict=True):
+        np.testing.assert_array_equal(now, kept)
+    # ... and the mapping never depends on the budget or the active layout: built
+    # again after compacting with this budget (and capacities), with budget 0 and
+    # with the full budget, it is the same entry by entry, one entry per mask row.
+    assert len(before) == batch.rows.num_rows(layout)
+    for b, c in ((budget, cap), (0, None), (layout.total_drafts, None)):
+        active = mp.compact(layout, b, capacity=c)
+        again = batch.rows.mapping(layout)
+        np.testing.assert_array_equal(again.request, before.request)
+        np.testing.assert_array_equal(again.position, before.position)
+        if active.exact:
+            # The active layout only decides which entries are live: every compacted
+            # row of a grammar request receives exactly one live mask row.
+            cu = active.cu_logits
+            r = np.maximum(before.request, 0)
+            live = (before.request >= 0) & (before.position < cu[r + 1] - cu[r])
+            dst = np.sort(cu[r[live]] + before.position[live])
+            gidx = np.array([layout.index_of(g) for g in batch.rows.grammar_req_ids], dtype=np.int64)
+            sizes = cu[gidx + 1] - cu[gidx]
+            want_dst = [row for i, k in zip(gidx, sizes, strict=True) for row in range(cu[i], cu[i] + k)]
+            assert dst.tolist() == sorted(want_dst)
 
 
 # --------------------------------------------------------------------------- budget

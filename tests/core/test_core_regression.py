@@ -45,13 +45,20 @@ def _logits(rows: int) -> torch.Tensor:
 def test_mapping_has_one_entry_per_mask_row_in_every_regime() -> None:
     layout = _layout()
     rows = mp.GrammarRows(["req-a", "req-b"])
-    for budget in (0, 2, 4):
-        mp.compact(layout, budget)  # compaction must not influence the mapping
-        mapping = rows.mapping(layout)
+    # (budget, capacities, compacted offsets): zero, partial with its capacities known, full.
+    for budget, capacity, cu_logits in ((0, None, [0, 1, 2]), (2, [1, 1], [0, 2, 4]), (4, None, [0, 3, 6])):
+        comp = mp.compact(layout, budget, capacity=capacity)
+        assert comp.exact and comp.cu_logits.tolist() == cu_logits  # compaction rewrote the offsets ...
+        mapping = rows.mapping(layout)  # ... and the mapping, built from the scheduled layout, ignores them
         assert rows.num_rows(layout) == 6
         assert len(mapping) == 6
         assert mapping.request.tolist() == [0, 0, 0, 1, 1, 1]
         assert mapping.position.tolist() == [0, 1, 2, 0, 1, 2]
+        # The compacted offsets only decide which entries are live: each compacted row gets exactly one.
+        cu = comp.cu_logits
+        live = mapping.position < cu[mapping.request + 1] - cu[mapping.request]
+        targets = cu[mapping.request[live]] + mapping.position[live]
+        assert targets.tolist() == list(range(cu_logits[-1]))
 
 
 def test_three_regime_table() -> None:
