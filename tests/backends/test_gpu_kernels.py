@@ -110,6 +110,7 @@ def test_cuda_graph_capture_and_replay(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_apply_never_syncs(backend: str) -> None:
+    """With torch's sync debug mode set to raise, the apply (device mapping and offsets) still runs and masks."""
     _require(backend)
     dev = torch.device("cuda")
     logits = torch.randn(6, 2048, device=dev, dtype=torch.float16)
@@ -117,13 +118,20 @@ def test_apply_never_syncs(backend: str) -> None:
     req = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32, device=dev)
     pos = torch.tensor([0, 1, 0, 1, 0, 1], dtype=torch.int32, device=dev)
     cu = maskplug.active_cu_logits(torch.tensor([1, 0, 1], dtype=torch.int32, device=dev), 1)
-    maskplug.apply_grammar_bitmask(logits, bm, (req, pos), cu, backend=backend)  # warm-up
+    maskplug.apply_grammar_bitmask(logits.clone(), bm, (req, pos), cu, backend=backend)  # warm-up: compile, load
     torch.cuda.synchronize()
+    want = logits.cpu()
+    maskplug.reference.apply_grammar_bitmask(want, bm.cpu(), (req.cpu(), pos.cpu()), cu.cpu())
     torch.cuda.set_sync_debug_mode("error")
     try:
+        # The detector is live: an operation that must synchronise raises in this mode ...
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.nonzero(cu)
+        # ... and the apply does not.
         maskplug.apply_grammar_bitmask(logits, bm, (req, pos), cu, backend=backend)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(int_view(logits.cpu()), int_view(want))
 
 
 def test_auto_prefers_cupy_then_triton() -> None:
