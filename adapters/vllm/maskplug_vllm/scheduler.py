@@ -24,13 +24,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskplug import GrammarRows, ScheduledLayout
+from maskplug import DraftMasks, GrammarRows, ScheduledLayout
 from maskplug.grammar import fill_draft_masks
 
 from .backend import MaskplugBackend, provider_for
 from .host import draft_counts
 
-__all__ = ["fill_step_bitmask", "make_grammar_bitmask", "make_grammar_init"]
+__all__ = ["DRAFT_MASKS_ATTR", "fill_step_bitmask", "fill_step_rows", "make_grammar_bitmask", "make_grammar_init"]
+
+DRAFT_MASKS_ATTR = "_maskplug_draft_masks"
+"""Attribute of vLLM's ``StructuredOutputManager`` holding the last step's ``(grammar_req_ids, DraftMasks)``
+(``None`` when vLLM's own loop produced the rows); adaptive verification reads it."""
 
 
 def _cu(counts: np.ndarray) -> np.ndarray:
@@ -54,6 +58,21 @@ def fill_step_bitmask(
     the window cut at the first ``-1`` (its last row is the cut window's
     always-constrained bonus row) and leaving the rows after it all-allowed.
     """
+    return fill_step_rows(bitmask, grammars, grammar_req_ids, spec_tokens)[0]
+
+
+def fill_step_rows(
+    bitmask: torch.Tensor,
+    grammars: list[Any],
+    grammar_req_ids: list[str],
+    spec_tokens: dict[str, list[int]],
+) -> tuple[int, DraftMasks]:
+    """:func:`fill_step_bitmask`, also returning the producer's :class:`~maskplug.DraftMasks`.
+
+    The draft masks are indexed in ``grammar_req_ids`` order (``request[g] == g``);
+    with ``-1`` padding, ``acceptable`` counts within the window cut at the first
+    ``-1`` (a padded draft is never acceptable).
+    """
     g = len(grammar_req_ids)
     nd = draft_counts(grammar_req_ids, spec_tokens)
     flat = np.fromiter(
@@ -67,21 +86,21 @@ def fill_step_bitmask(
     total = int(nd.sum()) + g
     pad = flat < 0
     if not pad.any():
-        fill_draft_masks(matchers, flat, bitmask, rows, ScheduledLayout(grammar_req_ids, nd, ones))
-        return total
+        dm = fill_draft_masks(matchers, flat, bitmask, rows, ScheduledLayout(grammar_req_ids, nd, ones))
+        return total, dm
     owner = np.repeat(np.arange(g), nd)
     pos = np.arange(flat.shape[0]) - _cu(nd)[owner]
     cut = nd.copy()
     np.minimum.at(cut, owner[pad], pos[pad])
     keep = pos < cut[owner]
     scratch = torch.empty((int(cut.sum()) + g, bitmask.shape[1]), dtype=torch.int32)
-    fill_draft_masks(matchers, flat[keep], scratch, rows, ScheduledLayout(grammar_req_ids, cut, ones))
+    dm = fill_draft_masks(matchers, flat[keep], scratch, rows, ScheduledLayout(grammar_req_ids, cut, ones))
     # Move the cut windows' rows to their places in the full windows; the rest stay open.
     src_owner = np.repeat(np.arange(g), cut + 1)
     dest = _cu(nd + 1)[src_owner] + np.arange(scratch.shape[0]) - _cu(cut + 1)[src_owner]
     bitmask[:total].fill_(-1)
     bitmask.index_copy_(0, torch.from_numpy(dest), scratch)
-    return total
+    return total, dm
 
 
 def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,6 +132,7 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> Any:
         backend = self.backend
+        setattr(self, DRAFT_MASKS_ATTR, None)
         if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
@@ -124,7 +144,8 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
             self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
         grammars = [requests[r].structured_output_request.grammar for r in ids]
-        total = fill_step_bitmask(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens)
+        total, dm = fill_step_rows(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens)
+        setattr(self, DRAFT_MASKS_ATTR, (ids, dm))
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
         return self._grammar_bitmask[:total].numpy()
 

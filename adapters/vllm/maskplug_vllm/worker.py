@@ -26,7 +26,14 @@ from maskplug import apply_grammar_bitmask
 
 from .host import draft_counts, step_rows
 
-__all__ = ["apply_compacted", "apply_scatter"]
+__all__ = ["SCHEDULED_SPEC_ATTR", "apply_compacted", "apply_scatter"]
+
+SCHEDULED_SPEC_ATTR = "maskplug_scheduled_spec_decode_tokens"
+"""Attribute of a scheduler output that maskplug's budget compacted: the drafts as scheduled.
+
+The mask rows were produced for these; the output's own
+``scheduled_spec_decode_tokens`` holds the drafts kept for verification.
+"""
 
 
 def _bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,17 +57,29 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     """Drop-in for vLLM's ``apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits)``.
 
     The logits hold ``1 + len(scheduled_spec_decode_tokens[r])`` rows per
-    request in ``input_batch.req_ids`` order (no compaction on this runner);
-    mask rows come ragged in ``structured_output_request_ids`` order.
+    request in ``input_batch.req_ids`` order; mask rows come ragged in
+    ``structured_output_request_ids`` order. When maskplug's budget compacted
+    the step, the scheduler output carries the drafts as scheduled
+    (:data:`SCHEDULED_SPEC_ATTR`): the row mapping is built from those, the
+    live row offsets from the kept drafts, so rows of trimmed drafts are
+    never applied.
     """
     bitmask_np = grammar_output.grammar_bitmask
     gids = list(grammar_output.structured_output_request_ids)
     if not gids or logits.shape[0] == 0:
         return
     req_ids = list(input_batch.req_ids)
-    spec = scheduler_output.scheduled_spec_decode_tokens
+    active = scheduler_output.scheduled_spec_decode_tokens
+    spec = getattr(scheduler_output, SCHEDULED_SPEC_ATTR, None)
+    if spec is None:
+        spec = active
     rows = step_rows(req_ids, gids, draft_counts(req_ids, spec), 1, spec)
-    cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
+    if spec is active:
+        cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
+    else:
+        live = np.zeros(rows.num_batch + 1, dtype=np.int64)
+        np.cumsum(draft_counts(req_ids, active) + 1, out=live[1:])
+        cu = rows.pad_cu_logits(live)
     bitmask = _bitmask_to(logits.device, bitmask_np)
     apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
 
