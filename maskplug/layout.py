@@ -69,6 +69,15 @@ def _id_list(name: str, ids: Any) -> list[Any]:
     return out
 
 
+def _id_array(ids: list[Any]) -> npt.NDArray[Any]:
+    """``ids`` as a 1-D numpy array, one element per id (object dtype when ids are tuples)."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1:  # e.g. tuple ids: keep one object per request
+        arr = np.empty(len(ids), dtype=object)
+        arr[:] = ids
+    return arr
+
+
 def _first_duplicate(ids: list[Any]) -> Any:
     seen: set[Any] = set()
     for x in ids:
@@ -139,11 +148,7 @@ class ScheduledLayout:
     def req_ids(self) -> npt.NDArray[Any]:
         """The request ids in batch order, as a 1-D numpy array (built on first use)."""
         if self._req_ids is None:
-            arr = np.asarray(self._ids)
-            if arr.ndim != 1:  # e.g. tuple ids: keep one object per request
-                arr = np.empty(len(self._ids), dtype=object)
-                arr[:] = self._ids
-            self._req_ids = arr
+            self._req_ids = _id_array(self._ids)
         return self._req_ids
 
     @property
@@ -248,11 +253,7 @@ class GrammarRows:
     def grammar_req_ids(self) -> npt.NDArray[Any]:
         """The grammar requests in producer order, as a 1-D numpy array (built on first use)."""
         if self._arr is None:
-            arr = np.asarray(self._ids)
-            if arr.ndim != 1:  # e.g. tuple ids: keep one object per request
-                arr = np.empty(len(self._ids), dtype=object)
-                arr[:] = self._ids
-            self._arr = arr
+            self._arr = _id_array(self._ids)
         return self._arr
 
     def batch_indices(self, layout: ScheduledLayout) -> IntArray:
