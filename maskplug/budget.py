@@ -1,17 +1,19 @@
-"""Verify-budget selection: the cost model, ``choose_budget`` and ``allocate``.
+"""Verify-budget selection: the cost model, ``choose_budget``, ``allocate`` and ``allocate_step``.
 
 The budget ``b`` is the number of drafts verified this step across the batch.
 ``choose_budget`` runs on the host with (possibly stale) confidences and
 maximises expected emitted tokens per millisecond of step cost; ``allocate``
 runs on the device with the live confidences and turns ``b`` into per-request
-capacities without a host sync.
+capacities without a host sync. ``allocate_step`` does the same for a
+scheduler's :class:`~maskplug.schedulers.StepView`, keeping drafts the
+step's grammar rejects out of the budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -21,12 +23,17 @@ from .draftmasks import DraftMasks
 from .errors import BudgetError
 from .layout import ScheduledLayout
 
+if TYPE_CHECKING:
+    from .schedulers.protocol import StepView
+
 __all__ = [
     "BudgetDecision",
     "CostModel",
     "allocate",
+    "allocate_step",
     "choose_budget",
     "grammar_confidences",
+    "host_confidences",
     "survival",
 ]
 
@@ -186,7 +193,15 @@ class BudgetDecision:
     cost_ms: float
 
 
-def _host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "confidences") -> FloatArray:
+def host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "confidences") -> FloatArray:
+    """``confidences`` as a float64 host array of shape ``(n, ≥ max num_drafts)``, checked against ``layout``.
+
+    Accepts a numpy array, a nested sequence or a CPU tensor (a device tensor
+    is refused: the host reads stale copies). Values for scheduled drafts must
+    lie in ``[0, 1]``; columns past a request's drafts may hold anything. Not
+    a copy when the input already is a float64 array. ``arg`` names the
+    argument in the :class:`BudgetError`.
+    """
     if isinstance(confidences, torch.Tensor):
         if confidences.device.type != "cpu":
             raise BudgetError(f"{arg}: expected a host array (stale confidences), got a tensor on {confidences.device}")
@@ -283,7 +298,7 @@ def choose_budget(
         raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
     if not isinstance(cost, CostModel):
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
-    conf = _host_confidences(confidences, layout)
+    conf = host_confidences(confidences, layout)
     n = layout.n
     if num_sampling is None:
         num_sampling = n
@@ -379,3 +394,72 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: 
     rank[order] = torch.arange(order.numel(), device=dev)
     chosen = (rank < budget).view(k, n)
     return chosen.sum(dim=0, dtype=torch.int32)
+
+
+def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch.Tensor) -> torch.Tensor:
+    """Per-request capacities for ``budget`` from the live ``confidences``, on their device.
+
+    Without draft masks this is :func:`allocate`. With them, the
+    live confidences are grammar-corrected (rejected drafts 0, forced
+    accepted drafts 1) and drafts the grammar rejects come last: as long as
+    ``budget <= Σ min(num_drafts, acceptable)`` (always so for a
+    ``grammar-aware`` budget) no request is given a draft its grammar
+    rejects. A larger budget, from a grammar-blind scheduler, still sums
+    exactly to ``budget``: every accepted draft first, then rejected ones by
+    position and request (they only cost verification work, the masks refuse
+    them). No host sync; ``budget`` may be a 0-d device tensor.
+    """
+    # The step view is built on this module's cost model and checks, so its
+    # module is imported here, at the first call, rather than at the top.
+    from .schedulers.protocol import StepView, grammar_limits
+
+    if not isinstance(step, StepView):
+        raise BudgetError(f"step: expected a StepView, got {type(step).__name__}")
+    lay = step.layout
+    if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
+        got = f"{type(confidences).__name__} {getattr(confidences, 'dtype', '')} {tuple(getattr(confidences, 'shape', ()))}"
+        raise BudgetError(f"confidences: expected a 2-D floating tensor (n, max_drafts), got {got}")
+    if confidences.shape[0] != lay.n:
+        raise BudgetError(f"confidences: expected {lay.n} rows (one per request), got {confidences.shape[0]}")
+    if step.grammar is None or np.asarray(step.grammar.request).size == 0:
+        return allocate(confidences, lay.num_drafts, budget)
+    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer, torch.Tensor)):
+        raise BudgetError(f"budget: expected an int or a 0-d tensor, got {budget!r}")
+    if isinstance(budget, (int, np.integer)) and not 0 <= budget <= lay.total_drafts:
+        raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {lay.total_drafts}, got {budget}")
+    lim = grammar_limits(lay, step.grammar)
+    room = int(lim.sum())
+    n, k = confidences.shape
+    # Host-built override: NaN keeps the live value, 0/1 replace it.
+    over = np.full((n, k), np.nan, dtype=np.float32)
+    if k:
+        g = step.grammar
+        req = np.asarray(g.request, dtype=np.int64)
+        cols = np.arange(k)[None, :]
+        acc = np.asarray(g.acceptable, dtype=np.int64)[:, None]
+        f = np.zeros((req.shape[0], k), dtype=bool)
+        w = min(k, g.forced.shape[1])
+        f[:, :w] = g.forced[:, :w]
+        rows = over[req]
+        rows[f & (cols < acc)] = 1.0
+        rows[cols >= acc] = 0.0
+        over[req] = rows
+    dev = confidences.device
+    t = torch.from_numpy(over)
+    if dev.type == "cuda":
+        t = t.pin_memory().to(dev, non_blocking=True)  # queued, not a host sync
+    t = t.to(dev, dtype=confidences.dtype)
+    live = torch.where(torch.isnan(t), confidences, t)
+    rest = lay.num_drafts - lim
+    if isinstance(budget, torch.Tensor):
+        inside: int | torch.Tensor = torch.clamp(budget, max=room)
+        beyond: int | torch.Tensor = budget - inside
+    else:
+        inside, beyond = min(int(budget), room), max(int(budget) - room, 0)
+    cap = allocate(live, lim, inside)
+    if int(rest.sum()) == 0:
+        return cap
+    # Rejected drafts only once every accepted one is in (then `cap == lim`);
+    # equal (zero) worth, so allocate's tie-break orders them by position, then request.
+    extra = allocate(torch.zeros_like(live), rest, beyond)
+    return cap + extra

@@ -30,7 +30,7 @@ from .errors import PluginError
 __all__ = ["PluginInfo", "Registry", "get_registry", "reset_registry"]
 
 ENTRY_POINT_GROUP = "maskplug"
-BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers")
+BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers.registry")
 
 
 @dataclass

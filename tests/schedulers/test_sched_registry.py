@@ -30,9 +30,9 @@ def fresh_registry() -> Iterator[None]:
 
 
 def test_builtins_register_through_the_hook() -> None:
-    assert "maskplug.schedulers" in BUILTIN_PLUGINS
+    assert "maskplug.schedulers.registry" in BUILTIN_PLUGINS
     reg = Registry()
-    mod = importlib.import_module("maskplug.schedulers")
+    mod = importlib.import_module("maskplug.schedulers.registry")
     reg.add_plugin(mod, "builtin-schedulers")
     assert sorted(reg.schedulers) == BUILTINS
     assert [p.hooks for p in reg.plugins if p.name == "builtin-schedulers"] == [["maskplug_register_schedulers"]]

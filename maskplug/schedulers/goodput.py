@@ -1,0 +1,211 @@
+"""``goodput``: budgets for drafters without a confidence head, learned from acceptance history."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..budget import BudgetDecision, choose_budget
+from ..errors import BudgetError
+from .protocol import StepOutcome, StepView
+
+__all__ = ["GoodputScheduler"]
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+class _IdTable:
+    """Request id → row of a state array, vectorised (sorted ids + searchsorted, free-list of rows)."""
+
+    def __init__(self) -> None:
+        self.keys: npt.NDArray[Any] = np.zeros(0, dtype=np.int64)
+        self.rows: IntArray = np.zeros(0, dtype=np.int64)
+        self.free: IntArray = np.zeros(0, dtype=np.int64)
+        self.size = 0  # rows ever handed out
+        self.kind: str | None = None  # "int" or "str": numpy would silently compare 1 with "1"
+
+    @staticmethod
+    def _kind(ids: npt.NDArray[Any]) -> str:
+        kind = "int" if ids.dtype.kind in "iu" else "str" if ids.dtype.kind in "US" else None
+        if kind is None:
+            raise BudgetError(f"req_ids: expected integer or string request ids, got dtype {ids.dtype}")
+        return kind
+
+    def lookup(self, ids: npt.NDArray[Any]) -> IntArray:
+        """Row of each id, -1 when unknown (ids of the other kind are never known)."""
+        out = np.full(ids.shape[0], -1, dtype=np.int64)
+        if ids.size == 0 or self.keys.size == 0 or self._kind(ids) != self.kind:
+            return out
+        try:
+            pos = np.searchsorted(self.keys, ids)
+        except TypeError as exc:
+            raise BudgetError(
+                f"req_ids: ids of type {ids.dtype} cannot be compared with earlier ids ({self.keys.dtype})"
+            ) from exc
+        pos = np.minimum(pos, self.keys.shape[0] - 1)
+        hit = np.asarray(self.keys[pos] == ids, dtype=bool)
+        out[hit] = self.rows[pos[hit]]
+        return out
+
+    def add(self, ids: npt.NDArray[Any]) -> IntArray:
+        """Rows for ids that are not in the table yet (unique ids)."""
+        if ids.size:
+            kind = self._kind(ids)
+            if self.kind is None:
+                self.kind = kind
+            elif kind != self.kind:
+                raise BudgetError(
+                    f"req_ids: expected {self.kind} ids like the earlier ones, got {kind} ids ({ids.dtype})"
+                )
+        k = ids.shape[0]
+        reuse = self.free[:k]
+        self.free = self.free[k:]
+        fresh = np.arange(self.size, self.size + (k - reuse.shape[0]), dtype=np.int64)
+        self.size += fresh.shape[0]
+        rows = np.concatenate([reuse, fresh])
+        keys = np.concatenate([self.keys, ids]) if self.keys.size else ids.copy()
+        try:
+            order = np.argsort(keys, kind="stable")
+        except TypeError as exc:
+            raise BudgetError(f"req_ids: ids of type {ids.dtype} cannot be mixed with earlier ids") from exc
+        self.keys = keys[order]
+        self.rows = np.concatenate([self.rows, rows])[order]
+        return rows
+
+    def remove(self, ids: npt.NDArray[Any]) -> IntArray:
+        """Forget ids (unknown ones are ignored); returns the freed rows."""
+        rows = self.lookup(ids)
+        gone = rows[rows >= 0]
+        if gone.size:
+            keep = ~np.isin(self.rows, gone)
+            self.keys, self.rows = self.keys[keep], self.rows[keep]
+            self.free = np.concatenate([self.free, gone])
+        return gone
+
+
+class GoodputScheduler:
+    """Budgets for drafters without a confidence head, learned from acceptance history.
+
+    For every request and draft position ``p`` it keeps ``a[p]``, an
+    exponentially weighted average (weight ``alpha`` on the newest
+    observation) of whether draft ``p`` was accepted *given that drafts
+    ``0..p-1`` were*: the same conditional meaning as a confidence head's
+    output. A verified step with ``accepted = k`` of ``verified = c`` drafts
+    observes a 1 at positions ``0..k-1``, a 0 at position ``k`` when ``k < c``,
+    and nothing further on.
+
+    Prior for new requests: the population estimate per position, an
+    average over every observation of every request (weight
+    ``population_alpha`` on each step's mean), which itself starts at ``prior`` (default 0.5, a
+    neutral guess) and stays there until a position is first observed. So a
+    request that joins a batch whose drafts are rarely accepted starts
+    pessimistic, and one that joins a well-drafting batch starts optimistic.
+
+    The budget is then ``argmax_b est(b) / cost(b)`` exactly as ``dspark``
+    computes it, on these estimates. Positions that are never verified keep
+    their estimate, so a scheduler that reaches budget 0 stays there until
+    the engine shows it outcomes again.
+    """
+
+    name = "goodput"
+    uses_grammar = False
+
+    def __init__(self, alpha: float = 0.1, prior: float = 0.5, population_alpha: float = 0.05) -> None:
+        for nm, v, lo_open in (
+            ("alpha", alpha, True),
+            ("prior", prior, False),
+            ("population_alpha", population_alpha, True),
+        ):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating)) or not np.isfinite(v):
+                raise BudgetError(f"{nm}: expected a number, got {v!r}")
+            if not (0 < v <= 1 if lo_open else 0 <= v <= 1):
+                raise BudgetError(f"{nm}: expected a value in {'(0, 1]' if lo_open else '[0, 1]'}, got {v!r}")
+        self.alpha = float(alpha)
+        self.prior = float(prior)
+        self.population_alpha = float(population_alpha)
+        self._ids = _IdTable()
+        self._est = np.zeros((0, 0), dtype=np.float64)
+        self._population = np.zeros(0, dtype=np.float64)
+
+    def _widen(self, rows: int, cols: int) -> None:
+        r0, c0 = self._est.shape
+        if cols > c0:
+            pop = np.full(cols, self.prior)
+            pop[:c0] = self._population
+            self._population = pop
+            est = np.empty((r0, cols))
+            est[:, :c0] = self._est
+            est[:, c0:] = self.prior  # never observed at these positions: the prior
+            self._est = est
+        r0, c0 = self._est.shape
+        if rows > r0:
+            est = np.empty((max(rows, 2 * r0, 16), c0))
+            est[:r0] = self._est
+            self._est = est
+
+    def population(self, num_positions: int) -> FloatArray:
+        """The prior a new request gets, per position (a copy)."""
+        self._widen(0, num_positions)
+        return self._population[:num_positions].copy()
+
+    def estimates(self, req_ids: Sequence[Any] | npt.NDArray[Any], num_positions: int) -> FloatArray:
+        """Current per-position acceptance estimates of ``req_ids`` (new ids get the population prior)."""
+        ids = np.asarray(req_ids)
+        if ids.ndim != 1:
+            raise BudgetError(f"req_ids: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        self._widen(0, num_positions)
+        rows = self._ids.lookup(ids)
+        out = np.broadcast_to(self._population[:num_positions], (ids.shape[0], num_positions)).copy()
+        known = rows >= 0
+        out[known] = self._est[rows[known], :num_positions]
+        return out
+
+    def beliefs(self, step: StepView) -> FloatArray:
+        """The estimates for the requests of ``step``, ``(n, max num_drafts)``."""
+        lay = step.layout
+        k = int(lay.num_drafts.max()) if lay.n else 0
+        return self.estimates(lay.req_ids, k)
+
+    def budget(self, step: StepView) -> BudgetDecision:
+        """``choose_budget`` on the history-based estimates (the view's confidences are not used)."""
+        return choose_budget(
+            self.beliefs(step),
+            step.layout,
+            step.cost,
+            num_sampling=step.num_sampling,
+            max_logits=step.max_logits,
+        )
+
+    def observe(self, outcome: StepOutcome) -> None:
+        """Fold one step's acceptances into the per-request and population averages."""
+        if not isinstance(outcome, StepOutcome):
+            raise BudgetError(f"outcome: expected a StepOutcome, got {type(outcome).__name__}")
+        ids, v, acc = outcome.req_ids, outcome.verified, outcome.accepted
+        k = int(v.max()) if v.size else 0
+        if ids.size:
+            rows = self._ids.lookup(ids)
+            new = rows < 0
+            if np.any(new):
+                self._widen(0, k)
+                fresh = self._ids.add(ids[new])
+                self._widen(int(fresh.max()) + 1, k)
+                self._est[fresh] = self._population
+                rows[new] = fresh
+            self._widen(0, k)
+            if k:
+                pos = np.arange(k)[None, :]
+                seen = (pos < v[:, None]) & (pos <= acc[:, None])
+                hit = (pos < acc[:, None]).astype(np.float64)
+                cur = self._est[rows, :k]
+                self._est[rows, :k] = np.where(seen, cur + self.alpha * (hit - cur), cur)
+                count = seen.sum(axis=0)
+                obs = count > 0
+                mean = np.divide((hit * seen).sum(axis=0), count, out=np.zeros(k), where=obs)
+                pop = self._population[:k]
+                self._population[:k] = np.where(obs, pop + self.population_alpha * (mean - pop), pop)
+        if outcome.finished.size:
+            self._ids.remove(outcome.finished)
