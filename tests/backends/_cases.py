@@ -11,6 +11,7 @@ a vocabulary tail, and logits rows with a stride larger than their width.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -84,7 +85,8 @@ def make_case(
     layout = maskplug.ScheduledLayout(list(range(100, 100 + n)), nd, np.ones(n, dtype=np.int64), num_bonus)
     total = int(nd.sum())
     if regime is None:
-        regime = ("full", "partial", "zero")[int(rng.integers(0, 3))]
+        regimes: tuple[Regime, ...] = ("full", "partial", "zero")
+        regime = regimes[int(rng.integers(0, 3))]
     if regime == "full" or total == 0:
         budget = total
     elif regime == "zero":
@@ -175,3 +177,21 @@ def check(case: Case, backend: str, device: torch.device | str = "cpu") -> None:
     outside = torch.ones(base.shape, dtype=torch.bool)
     outside[:rows, :width] = False
     assert torch.equal(int_view(base)[outside], int_view(case.base)[outside]), "wrote outside the logits view"
+
+
+def compile_one_graph(step: Callable[..., torch.Tensor], *args: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """Run ``torch.compile(step, fullgraph=True)`` on ``args``; its output and the call targets of its one graph.
+
+    On meta tensors the custom ops run their fake implementation, so this traces
+    a kernel op on any machine.
+    """
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(step, backend=record, fullgraph=True)(*args)
+    assert len(graphs) == 1
+    return out, [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]

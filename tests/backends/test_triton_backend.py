@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _cases import compile_one_graph
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -144,11 +145,6 @@ def test_auto_on_cpu_is_not_triton() -> None:
 
 def test_custom_op_traces_with_fullgraph() -> None:
     """Dynamo traces a step that calls the op as one node; meta tensors run the fake implementation."""
-    graphs: list[torch.fx.GraphModule] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
-        graphs.append(gm)
-        return gm.forward
 
     def step(x: torch.Tensor, bm: torch.Tensor, req: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         y = torch.log_softmax(x, dim=-1)
@@ -156,18 +152,15 @@ def test_custom_op_traces_with_fullgraph() -> None:
         return y * 2
 
     dev = torch.device("meta")
-    args = (
+    out, targets = compile_one_graph(
+        step,
         torch.empty(6, 1000, device=dev),
         torch.empty(5, 32, dtype=torch.int32, device=dev),
         torch.empty(5, dtype=torch.int32, device=dev),
         torch.empty(5, dtype=torch.int32, device=dev),
         torch.empty(4, dtype=torch.int32, device=dev),
     )
-    torch._dynamo.reset()
-    out = torch.compile(step, backend=record, fullgraph=True)(*args)
     assert out.shape == (6, 1000) and out.device == dev
-    assert len(graphs) == 1
-    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert any("maskplug_triton.apply_bitmask" in t for t in targets), targets
 
 
