@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -13,10 +15,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sched_testkit import Case, oracle_cap, steps
 
+import maskplug
 import maskplug as mp
-from maskplug import reference
+from maskplug import budget, plugins, reference
 from maskplug.hookspecs import hookimpl
 from maskplug.plugins import BUILTIN_PLUGINS, Registry
+from maskplug.schedulers import (
+    DSparkScheduler,
+    GoodputScheduler,
+    GrammarAwareScheduler,
+    NoSpecScheduler,
+    VerifyAllScheduler,
+    protocol,
+)
 
 BUILTINS = ["dspark", "goodput", "grammar-aware", "no-spec", "verify-all"]
 COST = mp.CostModel.linear()
@@ -29,33 +40,120 @@ def fresh_registry() -> Iterator[None]:
     mp.reset_registry()
 
 
+class _EntryPoint:
+    """An entry point of the ``maskplug`` group, as importlib.metadata would list it."""
+
+    def __init__(self, name: str, obj: object) -> None:
+        self.name, self.obj = name, obj
+        self.dist = SimpleNamespace(name=f"{name}-dist", version="1.0")
+
+    def load(self) -> object:
+        return self.obj
+
+
+@pytest.fixture
+def only_builtins(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[_EntryPoint]]:
+    """A registry that sees only the entry points in the returned list (none unless a test adds some)."""
+    eps: list[_EntryPoint] = []
+    for var in ("MASKPLUG_LOAD_PLUGINS", "MASKPLUG_DISABLE_PLUGINS", "MASKPLUG_SCHEDULER"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(plugins.md, "entry_points", lambda *, group: list(eps) if group == "maskplug" else [])
+    mp.reset_registry()
+    yield eps
+    mp.reset_registry()
+
+
 def test_builtins_register_through_the_hook() -> None:
     assert "maskplug.schedulers.registry" in BUILTIN_PLUGINS
     reg = Registry()
     mod = importlib.import_module("maskplug.schedulers.registry")
     reg.add_plugin(mod, "builtin-schedulers")
-    assert sorted(reg.schedulers) == BUILTINS
     assert [p.hooks for p in reg.plugins if p.name == "builtin-schedulers"] == [["maskplug_register_schedulers"]]
-    assert set(BUILTINS) <= set(mp.schedulers())
-    assert mp.schedulers() == mod.schedulers()  # the module is callable and is the listing
+    assert reg.schedulers == {
+        "dspark": DSparkScheduler,
+        "goodput": GoodputScheduler,
+        "grammar-aware": GrammarAwareScheduler,
+        "no-spec": NoSpecScheduler,
+        "verify-all": VerifyAllScheduler,
+    }
+    assert all(cls.name == name for name, cls in reg.schedulers.items())  # type: ignore[attr-defined]
 
 
-def test_unknown_name_lists_the_registered_ones() -> None:
+def test_the_listing_is_the_sorted_registered_names(only_builtins: list[_EntryPoint]) -> None:
+    # Nothing but the built-ins: the listing is exactly their names, sorted, whichever way it is reached.
+    assert mp.schedulers() == BUILTINS
+    assert callable(maskplug.schedulers) and isinstance(maskplug.schedulers, types.ModuleType)
+    assert maskplug.schedulers() == BUILTINS
+    assert maskplug.schedulers.schedulers() == BUILTINS
+    assert [p.name for p in mp.get_registry().plugins] == list(BUILTIN_PLUGINS)
+    # An outside plugin found through its entry point appears in the listing, in sorted place.
+    only_builtins.append(_EntryPoint("halving-plugin", _Plugin()))
+    mp.reset_registry()
+    assert mp.schedulers() == ["dspark", "goodput", "grammar-aware", "halving", "no-spec", "verify-all"]
+    assert type(mp.get_scheduler("halving")) is _Halving
+    info = next(p for p in mp.get_registry().plugins if p.name == "halving-plugin")
+    assert (info.distribution, info.error, info.hooks) == (
+        "halving-plugin-dist",
+        None,
+        ["maskplug_register_schedulers"],
+    )
+    # A disabled one is gone again.
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MASKPLUG_DISABLE_PLUGINS", "halving-plugin")
+        mp.reset_registry()
+        assert mp.schedulers() == BUILTINS
+        with pytest.raises(mp.PluginError, match=r"name: expected one of the registered schedulers .* got 'halving'"):
+            mp.get_scheduler("halving")
+
+
+def test_public_names_of_the_package() -> None:
+    import maskplug.schedulers as sched_pkg
+    from maskplug.schedulers import StepView, allocate_step, get_scheduler, grammar_limits
+
+    assert StepView is mp.StepView and get_scheduler is mp.get_scheduler
+    assert allocate_step is mp.allocate_step is budget.allocate_step
+    assert grammar_limits is protocol.grammar_limits
+    for name in sched_pkg.__all__:
+        assert getattr(sched_pkg, name) is not None, name
+    assert sched_pkg.DEFAULT_SCHEDULER == "dspark"
+
+
+def test_unknown_name_lists_the_registered_ones(only_builtins: list[_EntryPoint]) -> None:
+    listed = r"\['dspark', 'goodput', 'grammar-aware', 'no-spec', 'verify-all'\]"
     with pytest.raises(
-        mp.PluginError, match=r"name: expected one of the registered schedulers \[.*'dspark'.*\], got 'dsprak'"
+        mp.PluginError, match=rf"^name: expected one of the registered schedulers {listed}, got 'dsprak'$"
     ):
         mp.get_scheduler("dsprak")
+    for bad in (3, b"dspark", ""):
+        with pytest.raises(mp.PluginError, match=rf"^name: expected one of the registered schedulers {listed}, got "):
+            mp.get_scheduler(bad)  # type: ignore[arg-type]
+    with pytest.raises(mp.PluginError, match=rf"^name: .*{listed}, got 'nope'$"):
+        mp.get_scheduler("grammar-aware", inner="nope")
 
 
-def test_environment_chooses_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MASKPLUG_SCHEDULER", raising=False)
-    assert type(mp.get_scheduler()).__name__ == "DSparkScheduler"
+def test_environment_chooses_the_default(only_builtins: list[_EntryPoint], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert type(mp.get_scheduler()) is DSparkScheduler  # DEFAULT_SCHEDULER
+    monkeypatch.setenv("MASKPLUG_SCHEDULER", "")
+    assert type(mp.get_scheduler()) is DSparkScheduler  # empty means unset
+    for name, cls in (("goodput", GoodputScheduler), ("verify-all", VerifyAllScheduler), ("no-spec", NoSpecScheduler)):
+        monkeypatch.setenv("MASKPLUG_SCHEDULER", name)
+        assert type(mp.get_scheduler()) is cls
+        assert type(mp.get_scheduler("dspark")) is DSparkScheduler  # an explicit name wins
     monkeypatch.setenv("MASKPLUG_SCHEDULER", "goodput")
-    assert type(mp.get_scheduler()).__name__ == "GoodputScheduler"
-    assert type(mp.get_scheduler("no-spec")).__name__ == "NoSpecScheduler"  # an explicit name wins
+    # configuration reaches the scheduler the environment names
+    assert mp.get_scheduler(alpha=0.25).alpha == 0.25  # type: ignore[attr-defined]
+    # grammar-aware wraps DEFAULT_SCHEDULER, not whatever the environment names
+    assert type(mp.get_scheduler("grammar-aware").inner) is DSparkScheduler  # type: ignore[attr-defined]
     monkeypatch.setenv("MASKPLUG_SCHEDULER", "nope")
-    with pytest.raises(mp.PluginError, match=r"MASKPLUG_SCHEDULER.*got 'nope'"):
+    with pytest.raises(
+        mp.PluginError, match=r"^MASKPLUG_SCHEDULER: expected one of the registered schedulers .*got 'nope'$"
+    ):
         mp.get_scheduler()
+    # an outside plugin's scheduler can be the default too
+    only_builtins.append(_EntryPoint("halving-plugin", _Plugin()))
+    mp.reset_registry()
+    monkeypatch.setenv("MASKPLUG_SCHEDULER", "halving")
+    assert type(mp.get_scheduler()) is _Halving
 
 
 def test_bad_configuration_is_refused() -> None:
@@ -192,3 +290,69 @@ def test_schedulers_without_a_confidence_head(case: Case, name: str) -> None:
     view = case.view
     _check_decision(mp.get_scheduler(name).budget(view), view)
     _check_decision(mp.get_scheduler("grammar-aware", inner=name).budget(view), view)
+
+
+# ------------------------------------------------------------------ uses_grammar
+
+
+def test_uses_grammar_flags_of_the_builtins() -> None:
+    flags = {name: mp.get_scheduler(name).uses_grammar for name in BUILTINS}  # type: ignore[attr-defined]
+    assert flags == {"dspark": False, "goodput": False, "grammar-aware": True, "no-spec": False, "verify-all": False}
+    assert all(type(v) is bool for v in flags.values())
+    for inner in ("dspark", "goodput", "verify-all", "no-spec"):
+        assert mp.get_scheduler("grammar-aware", inner=inner).uses_grammar is True  # type: ignore[attr-defined]
+
+
+def test_uses_grammar_is_optional_for_outside_schedulers(fresh_registry: None) -> None:
+    mp.get_registry().add_plugin(_Plugin(), "test-halving")
+    sched = mp.get_scheduler("halving")
+    assert not hasattr(sched, "uses_grammar")
+    assert isinstance(sched, mp.Scheduler)  # still a Scheduler without it
+    assert getattr(sched, "uses_grammar", False) is False  # how engines read it
+
+
+class _Flagged(_Halving):
+    uses_grammar: Any = "yes"
+
+
+class _FlaggedTrue(_Halving):
+    uses_grammar = True
+
+
+class _FlaggedPlugin:
+    @hookimpl
+    def maskplug_register_schedulers(self, register: Any) -> None:
+        register("flagged", _Flagged)
+        register("flagged-true", _FlaggedTrue)
+
+
+def test_a_uses_grammar_that_is_not_a_bool_is_refused(fresh_registry: None) -> None:
+    mp.get_registry().add_plugin(_FlaggedPlugin(), "test-flagged")
+    with pytest.raises(mp.PluginError, match=r"scheduler 'flagged': expected uses_grammar to be a bool, got 'yes'"):
+        mp.get_scheduler("flagged")
+    assert mp.get_scheduler("flagged-true").uses_grammar is True  # type: ignore[attr-defined]
+
+
+@given(steps(with_grammar=True), st.sampled_from(["dspark", "goodput", "no-spec", "verify-all"]))
+def test_uses_grammar_false_means_the_draft_masks_never_change_the_budget(case: Case, name: str) -> None:
+    """The flag's contract: a scheduler that says it does not read the masks decides the same without them."""
+    view = case.view
+    blind = mp.StepView(
+        view.layout, view.cost, confidences=view.confidences, max_logits=view.max_logits, num_sampling=view.num_sampling
+    )
+    with_masks, without = mp.get_scheduler(name), mp.get_scheduler(name)
+    assert with_masks.uses_grammar is False  # type: ignore[attr-defined]
+    d, d0 = with_masks.budget(view), without.budget(blind)
+    assert d.budget == d0.budget and d.cost_ms == d0.cost_ms
+    assert d.expected_tokens == d0.expected_tokens or (np.isnan(d.expected_tokens) and np.isnan(d0.expected_tokens))
+
+
+def test_uses_grammar_true_schedulers_do_read_the_masks() -> None:
+    lay = mp.ScheduledLayout([10, 11], [6, 3], [1, 1])
+    conf = np.full((2, 6), 0.99)
+    masks = mp.DraftMasks(np.array([0]), np.array([2]), np.zeros((1, 7), dtype=bool))
+    for name in BUILTINS:
+        sched = mp.get_scheduler(name)
+        with_masks = sched.budget(mp.StepView(lay, COST, confidences=conf, grammar=masks)).budget
+        without = sched.budget(mp.StepView(lay, COST, confidences=conf)).budget
+        assert (with_masks != without) == (name == "grammar-aware"), name
