@@ -14,8 +14,12 @@ Two real vocabularies, both offline:
 from __future__ import annotations
 
 import glob
+import importlib.abc
+import importlib.machinery
 import json
 import random
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,64 @@ import numpy as np
 import pytest
 import torch
 
+# transformers probes for torchvision when imported; import it before the stand-in below exists.
+import transformers  # noqa: F401
+
 from maskplug.testing import load_hypothesis_profile
+
+# SGLang's speculative modules reach its multimodal stack (torchvision, whose PyPI wheel does
+# not load beside the CPU torch here) and its tracing (opentelemetry, not installed). The
+# verify code under test uses neither; these two packages, and only these, are replaced by
+# empty stand-ins so that SGLang's real modules import.
+STUBBED_PACKAGES = ("torchvision", "opentelemetry")
+
+
+class _AnyMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AnyMeta(name, (_Any,), {})
+
+
+class _Any(metaclass=_AnyMeta):
+    """Whatever a stand-in module is asked for: a class that accepts anything."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AnyMeta(name, (_Any,), {})
+
+
+class _StandInModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AnyMeta(name, (_Any,), {})
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname.split(".")[0] in STUBBED_PACKAGES:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        module = _StandInModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _StandInFinder())
 
 load_hypothesis_profile()  # the core suite's profiles: CI runs every property with 1,000 examples
 

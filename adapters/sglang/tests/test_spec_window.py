@@ -1,12 +1,10 @@
 """Speculative verify windows: SGLang's own draft-tree traversal on both grammar objects.
 
 SGLang builds the grammar mask of a speculative step with ``traverse_tree``
-(``sglang.srt.speculative.spec_utils``): a depth-first walk over the draft
-tree that accepts each draft the parent's mask allows, fills that node's row,
-descends, and rolls back one token on the way up. Importing ``spec_utils``
-pulls in SGLang's multimodal stack (torchvision, which does not load beside
-the CPU torch here), so the function is taken from SGLang's installed source
-file and run as is, unchanged, on SGLang's xgrammar object and on ours.
+(``sglang.srt.speculative.spec_utils``, imported as is): a depth-first walk
+over the draft tree that accepts each draft the parent's mask allows, fills
+that node's row, descends, and rolls back one token on the way up. It runs
+unchanged on SGLang's xgrammar object and on ours.
 
 Each step: a random draft tree (chains and branches, drafts the grammar allows
 and drafts it refuses), both masks compared row by row, the grammars back in
@@ -17,10 +15,7 @@ some steps, accepted in full and rolled back to the verified prefix.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import itertools
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,27 +24,9 @@ from conftest import allowed_ids, compile_pair, control_columns, grammar_keys
 from hypothesis import given
 from hypothesis import strategies as st
 from maskplug_sglang.backend import MaskplugGrammar, allocate_mask
+from sglang.srt.speculative.spec_utils import traverse_tree
 
 KEYS = grammar_keys()
-
-
-def _sglang_traverse_tree() -> Any:
-    """SGLang's ``traverse_tree``, compiled from its installed source."""
-    spec = importlib.util.find_spec("sglang")
-    assert spec is not None and spec.submodule_search_locations
-    path = Path(next(iter(spec.submodule_search_locations))) / "srt" / "speculative" / "spec_utils.py"
-    tree = ast.parse(path.read_text(), filename=str(path))
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "traverse_tree")
-    module = ast.Module(body=[fn], type_ignores=[])
-    from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
-
-    namespace: dict[str, Any] = {"torch": torch, "Optional": __import__("typing").Optional}
-    namespace["BaseGrammarObject"] = BaseGrammarObject
-    exec(compile(module, str(path), "exec"), namespace)
-    return namespace["traverse_tree"]
-
-
-traverse_tree = _sglang_traverse_tree()
 
 
 def _random_tree(
