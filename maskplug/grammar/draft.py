@@ -2,22 +2,22 @@
 
 :func:`fill_draft_masks` walks every grammar request's drafts once, writing row
 ``p`` = the grammar's mask after accepting drafts ``0..p-1``, then rolls the
-matchers back to where they started. Matchers whose batch operations offer
-``fill_chains`` (below) hand over every request's whole draft chain in one
-call; matchers with plain batch operations (:class:`~maskplug.grammar.BatchOps`)
-are advanced position by position, all requests of one provider in one call
-per position; the others run one request at a time, on a thread pool when
-their engine releases the GIL.
+matchers back to where they started. Matchers whose batch operations are a
+:class:`~maskplug.grammar.ChainOps` hand over every request's whole draft
+chain in one ``fill_chains`` call; matchers with plain batch operations
+(:class:`~maskplug.grammar.BatchOps`) are advanced position by position, all
+requests of one provider in one call per position; the others run one request
+at a time, on a thread pool when their engine releases the GIL.
 
-The optional chain operation, ``batch_ops.fill_chains(matchers, bitmask,
-rows, drafts, threads=n) -> list[int]``: for each live (not terminated)
-matcher ``i``, starting from its current state, row ``rows[i] + p`` is the
-mask after accepting ``drafts[i][:p]``, for every ``p`` up to the number of
-drafts it accepts, ``a_i``, which it returns. The walk stops at the first
-draft the matcher refuses (that draft's row is written, later ones are not)
-and after an accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is
-not written). Matchers end in the state they started in, also on error. It
-lets an engine do in one native call (or without touching the matcher's
+The chain operation, ``batch_ops.fill_chains(matchers, bitmask, rows, drafts,
+threads=n) -> list[int]``: for each live (not terminated) matcher ``i``,
+starting from its current state, row ``rows[i] + p`` is the mask after
+accepting ``drafts[i][:p]``, for every ``p`` up to the number of drafts it
+accepts, ``a_i``, which it returns. The walk stops at the first draft the
+matcher refuses (that draft's row is written, later ones are not) and after an
+accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is not
+written). Matchers end in the state they started in, also on error. It lets
+an engine do in one native call (or without touching the matcher's
 state at all) what the generic walk does with one Python call per row.
 """
 
@@ -36,7 +36,7 @@ from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
 from .checks import check_bitmask
 from .pools import shared_pool
-from .protocols import Matcher
+from .protocols import BatchOps, ChainOps, Matcher
 
 __all__ = ["commit", "fill_draft_masks"]
 
@@ -217,7 +217,7 @@ def _walk_chains(
     lo_l, hi_l = lo.tolist(), hi_d.tolist()
     drafts = [r[a:b] for r, a, b in zip(rows_d, lo_l, hi_l, strict=True)]
     starts = (row0[mem] + lo).tolist()
-    reports = bool(getattr(ops, "fills_forced", False))
+    reports = bool(ops.fills_forced)
     kw: dict[str, Any] = {"threads": threads}
     if reports:
         kw["forced"] = w.row_forced
@@ -412,27 +412,27 @@ def fill_draft_masks(
     # provider without batch operations) walks request by request instead.
     # Chains take live matchers whose window reaches the grammar; the rest
     # (terminated, or gated past the window) cost nothing on the generic walk.
-    groups: dict[int, tuple[Any, list[int]]] = {}
-    chains: dict[int, tuple[Any, list[int]]] = {}
+    groups: dict[int, tuple[BatchOps, list[int]]] = {}
+    chains: dict[int, tuple[ChainOps, list[int]]] = {}
     single: list[int] = []
+    # Whether each distinct batch_ops object is a ChainOps (asked once per object: the protocol check is slow).
+    chain_ops: dict[int, bool] = {}
     for g, m in enumerate(ms):
         ops = getattr(m, "batch_ops", None) if strategy in ("auto", "chains", "batch") else None
-        if (
-            ops is not None
-            and strategy != "batch"
-            and hasattr(ops, "fill_chains")
-            and gate[g] < need[g]
-            and not m.is_terminated()
-        ):
-            chains.setdefault(id(ops), (ops, []))[1].append(g)
-        elif ops is None:
+        if ops is None:
             single.append(g)
+            continue
+        can_chain = chain_ops.get(id(ops))
+        if can_chain is None:
+            can_chain = chain_ops[id(ops)] = strategy != "batch" and isinstance(ops, ChainOps)
+        if can_chain and gate[g] < need[g] and not m.is_terminated():
+            chains.setdefault(id(ops), (ops, []))[1].append(g)
         else:
             groups.setdefault(id(ops), (ops, []))[1].append(g)
 
     try:
-        for ops, members in chains.values():
-            _walk_chains(ops, members, ms, d, nd, need, gate, row0, eos, bitmask, n_threads, walk)
+        for cops, members in chains.values():
+            _walk_chains(cops, members, ms, d, nd, need, gate, row0, eos, bitmask, n_threads, walk)
         for ops, members in groups.values():
             _walk_batched(ops, np.asarray(members, dtype=np.int64), ms, d, nd, need, gate, row0, eos, bitmask, walk)
         if single:

@@ -21,7 +21,7 @@ What this module normalises, so callers see maskplug's matcher semantics:
   so both say the same.
 * **Stop tokens and rollback.** Accepting EOS in llguidance does not count
   towards its ``rollback``; the stop token never reaches the engine here
-  (:class:`maskplug.grammar.base.MatcherBase` tracks it), so a stop token
+  (:class:`maskplug.grammar.sdk.MatcherBase` tracks it), so a stop token
   counts as one step like every other token.
 * **Special and padding ids.** The engine sees a vocabulary padded to
   ``vocab_size`` with every control, empty and padding id marked special, so
@@ -46,25 +46,22 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
-from maskplug import GrammarError
-from maskplug.grammar.base import (
+from maskplug.grammar.sdk import (
+    ChainOpsBase,
+    GrammarError,
     GrammarSpec,
     Matcher,
     MatcherBase,
     ProviderBase,
     Vocab,
-    check_chain_args,
+    bits_row,
+    check_choice,
+    schema_dict,
     spread_tasks,
+    text_ids,
 )
 
 __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
-
-
-def bits_row(ids: Sequence[int], words: int) -> npt.NDArray[np.int32]:
-    """An int32 mask row of ``words`` words with exactly the bits of ``ids`` set."""
-    bits = np.zeros(words * 32, dtype=np.uint8)
-    bits[np.asarray(list(ids), dtype=np.int64)] = 1
-    return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
 
 class _Encoder:
@@ -186,47 +183,36 @@ class LLGuidanceMatcher(MatcherBase):
     def _is_complete(self) -> bool:
         return bool(self.engine.is_accepting())
 
-    # -- the rest of the protocol ---------------------------------------------------
-    def rollback(self, n: int) -> None:
-        """Undo the last ``n`` accepted tokens (an accepted stop token counts as one)."""
-        done = len(self._tokens) + int(self._terminated)
-        if not isinstance(n, bool) and hasattr(n, "__index__") and int(n) > done:
-            raise GrammarError(f"n: expected at most the {done} accepted tokens, got {int(n)}")
-        super().rollback(n)
+    def _accepted_count(self) -> int:
+        return len(self._tokens)
 
-    def reset(self) -> None:
-        """Back to the start of the grammar."""
+    def _reset(self) -> None:
         self.engine = self.grammar.template.deep_copy()
         self._tokens.clear()
-        self._terminated = False
         self._mask_ok = False
         self._prev_depth = -1
 
-    def fork(self) -> LLGuidanceMatcher:
-        """An independent matcher in the same state."""
+    def _fork(self) -> LLGuidanceMatcher:
         twin = LLGuidanceMatcher(self.grammar, self.engine.deep_copy())
         twin._tokens = list(self._tokens)
-        twin._terminated = self._terminated
         if self._mask_ok:
             twin._mask[:] = self._mask
             twin._mask_ok = True
         return twin
 
-    @property
-    def num_accepted(self) -> int:
-        """Tokens accepted so far, a stop token included."""
-        return len(self._tokens) + int(self._terminated)
 
-
-class LLGuidanceBatchOps:
-    """Batch fill/accept/rollback over llguidance matchers (see :class:`maskplug.grammar.BatchOps`).
+class LLGuidanceBatchOps(ChainOpsBase[LLGuidanceMatcher]):
+    """Batch operations over llguidance matchers (see :class:`maskplug.grammar.ChainOps`).
 
     ``fill`` computes every row in one ``LLExecutor`` call (a native thread
     pool, GIL released) and ``accept`` consumes every token in one more;
     rollback is per matcher (a short native call each).
     """
 
+    matcher_type = LLGuidanceMatcher
+
     def __init__(self, provider: LLGuidanceProvider, num_threads: int | None) -> None:
+        super().__init__(provider.vocab)
         self.provider = provider
         self.num_threads = num_threads
         self._executor: LLExecutor | None = None
@@ -294,19 +280,14 @@ class LLGuidanceBatchOps:
             out[i] = m._consumed(int(tokens[i]), bool(ok))
         return out
 
-    def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
-        """``matchers[i].rollback(counts[i])`` for all ``i``."""
-        for m, k in zip(matchers, counts, strict=True):
-            if int(k):
-                m.rollback(int(k))
-
-    def fill_chains(
+    def _fill_chains(
         self,
-        matchers: Sequence[Matcher],
+        matchers: list[LLGuidanceMatcher],
         bitmask: torch.Tensor,
-        rows: Sequence[int],
+        rows: list[int],
         drafts: Sequence[Sequence[int]],
-        threads: int | None = None,
+        workers: int,
+        forced: npt.NDArray[np.bool_] | None,
     ) -> list[int]:
         """Walk each request's drafts straight on its engine; return how many drafts each accepts.
 
@@ -323,12 +304,7 @@ class LLGuidanceBatchOps:
         the same masks than this walk (``benchmarks/RESULTS.md``).
         """
         n = len(matchers)
-        check_chain_args(bitmask, rows, drafts, n, self.provider.vocab)
-        owners: list[LLGuidanceMatcher] = []
-        for m in matchers:
-            if not isinstance(m, LLGuidanceMatcher) or m.is_terminated():
-                raise GrammarError("matchers: fill_chains expects live llguidance matchers")
-            owners.append(m)
+        owners = matchers
         bm = bitmask.numpy()
         text_row, stop_row = self.provider._text_row, self.provider._stop_row
         eos = frozenset(self.provider.vocab.eos_ids)
@@ -337,7 +313,7 @@ class LLGuidanceBatchOps:
         out = [0] * n
 
         def walk(i: int) -> None:
-            m, d, r0 = owners[i], drafts[i], int(rows[i])
+            m, d, r0 = owners[i], drafts[i], rows[i]
             engine = m.engine
             took = 0
             fed = 0
@@ -374,7 +350,7 @@ class LLGuidanceBatchOps:
                     m._rebuild()
             out[i] = took
 
-        spread_tasks(walk, n, min(n, 1 if threads is None else max(1, int(threads))))
+        spread_tasks(walk, n, workers)
         return out
 
 
@@ -393,8 +369,7 @@ class LLGuidanceProvider(ProviderBase):
     def __init__(self, vocab: Vocab, num_threads: int | None = None) -> None:
         super().__init__(vocab)
         words = vocab.mask_words
-        text_ids = [i for i, t in enumerate(vocab.tokens) if t and i not in vocab.special_ids]
-        self._text_row = bits_row(text_ids, words)
+        self._text_row = bits_row(text_ids(vocab), words)
         self._stop_row = bits_row(vocab.eos_ids, words)
         self._tokenizer: LLTokenizer | None = None
         self._tok_lock = threading.Lock()
@@ -422,28 +397,13 @@ class LLGuidanceProvider(ProviderBase):
         kind, src = spec.kind, spec.source
         try:
             if kind == "json_schema":
-                if isinstance(src, str):
-                    try:
-                        src = json.loads(src)
-                    except json.JSONDecodeError as exc:
-                        raise GrammarError(
-                            f"spec.source: expected a JSON schema, got text that is not JSON ({exc})"
-                        ) from exc
-                if not isinstance(src, dict):
-                    raise GrammarError(f"spec.source: expected a JSON schema object, got {type(src).__name__}")
-                return str(LLMatcher.grammar_from_json_schema(src))
+                return str(LLMatcher.grammar_from_json_schema(schema_dict(src)))
             if kind == "json_object":
                 return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
             if kind == "choice":
-                if isinstance(src, str) or not isinstance(src, (list, tuple)) or not src:
-                    raise GrammarError(
-                        f"spec.source: expected a non-empty list of strings for kind 'choice', got {src!r}"
-                    )
-                for i, c in enumerate(src):
-                    if not isinstance(c, str) or not c:
-                        raise GrammarError(f"spec.source[{i}]: expected a non-empty str, got {c!r}")
                 # JSON string literals are Lark string literals for llguidance.
-                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in src)))
+                choices = check_choice(src)
+                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
             if not isinstance(src, str):
                 raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
             if kind == "regex":

@@ -10,7 +10,7 @@ What this module normalises, so callers see maskplug's matcher semantics:
 
 * **Stop tokens.** outlines-core knows a single EOS id and ``Guide.advance``
   on it raises ``ValueError`` in a final state. The stop token never reaches
-  the engine here: :class:`maskplug.grammar.base.MatcherBase` accepts it when
+  the engine here: :class:`maskplug.grammar.sdk.MatcherBase` accepts it when
   the automaton is in a final state and terminates, and every stop id of the
   vocabulary is allowed in a final state (not only the first).
 * **Rollback.** ``Guide.rollback_state`` is bounded by ``max_rollback``; past
@@ -33,7 +33,6 @@ numpy copy.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -44,8 +43,19 @@ import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-from maskplug import GrammarError
-from maskplug.grammar.base import GrammarSpec, MatcherBase, ProviderBase, Vocab, check_chain_args
+from maskplug.grammar.sdk import (
+    ChainOpsBase,
+    GrammarError,
+    GrammarSpec,
+    Matcher,
+    MatcherBase,
+    ProviderBase,
+    Vocab,
+    check_choice,
+    schema_text,
+    stop_row,
+    text_ids,
+)
 
 __all__ = [
     "MaskCache",
@@ -68,36 +78,16 @@ DEFAULT_MASK_CACHE_BYTES = 32 << 20
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~ ")
 
 
-def grammar_text_ids(vocab: Vocab) -> list[int]:
-    """Ids whose bytes may appear in grammar text: real tokens that are neither special nor empty."""
-    special = vocab.special_ids
-    return [i for i, t in enumerate(vocab.tokens) if t and i not in special]
+# Ids whose bytes may appear in grammar text (the SDK's text_ids, under its earlier name here).
+grammar_text_ids = text_ids
 
 
 def choice_regex(choices: Any) -> str:
     """A regex matching exactly one of ``choices`` (a non-empty list of non-empty strings)."""
-    if isinstance(choices, str) or not isinstance(choices, (list, tuple)) or not choices:
-        raise GrammarError(f"spec.source: expected a non-empty list of strings for kind 'choice', got {choices!r}")
-    parts = []
-    for i, c in enumerate(choices):
-        if not isinstance(c, str) or not c:
-            raise GrammarError(f"spec.source[{i}]: expected a non-empty str, got {c!r}")
-        # Escaping every meta character (and only those) keeps the pattern
-        # valid for regex-syntax, which rejects escapes of ordinary letters.
-        parts.append("".join("\\" + ch if ch in _REGEX_META else ch for ch in c))
+    # Escaping every meta character (and only those) keeps the pattern
+    # valid for regex-syntax, which rejects escapes of ordinary letters.
+    parts = ["".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in check_choice(choices)]
     return "(" + "|".join(parts) + ")"
-
-
-def _schema_text(source: Any) -> str:
-    if isinstance(source, dict):
-        return json.dumps(source)
-    if isinstance(source, str):
-        try:
-            json.loads(source)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"spec.source: expected a JSON schema, got text that is not JSON ({exc})") from exc
-        return source
-    raise GrammarError(f"spec.source: expected a JSON schema as a dict or str, got {type(source).__name__}")
 
 
 def single_token(row: npt.NDArray[np.int32]) -> bool:
@@ -203,7 +193,7 @@ class OutlinesMatcher(MatcherBase):
     def __init__(self, grammar: OutlinesGrammar) -> None:
         super().__init__(grammar.provider.vocab)
         self.grammar = grammar
-        self.batch_ops = grammar.provider.batch_ops  # type: ignore[assignment]  # element types are narrower
+        self.batch_ops = grammar.provider.batch_ops
         self._index = grammar.index
         self._masks = grammar.masks
         self._guide = Guide(grammar.index, max_rollback=_MAX_ROLLBACK)
@@ -257,31 +247,18 @@ class OutlinesMatcher(MatcherBase):
     def _is_complete(self) -> bool:
         return bool(self._guide.is_finished())
 
-    # -- the rest of the protocol ---------------------------------------------------
-    def rollback(self, n: int) -> None:
-        """Undo the last ``n`` accepted tokens (an accepted stop token counts as one)."""
-        done = len(self._tokens) + int(self._terminated)
-        if not isinstance(n, bool) and hasattr(n, "__index__") and int(n) > done:
-            raise GrammarError(f"n: expected at most the {done} accepted tokens, got {int(n)}")
-        super().rollback(n)
+    def _accepted_count(self) -> int:
+        return len(self._tokens)
 
-    def reset(self) -> None:
-        """Back to the start of the grammar."""
+    def _reset(self) -> None:
         self._guide.reset()
         self._tokens.clear()
-        self._terminated = False
 
-    def fork(self) -> OutlinesMatcher:
-        """An independent matcher in the same state (replayed; copying a Guide would copy its Index)."""
+    def _fork(self) -> OutlinesMatcher:
+        # Replayed: copying a Guide would copy its Index.
         twin = OutlinesMatcher(self.grammar)
         twin._replay(self._tokens)
-        twin._terminated = self._terminated
         return twin
-
-    @property
-    def num_accepted(self) -> int:
-        """Tokens accepted so far, a stop token included."""
-        return len(self._tokens) + int(self._terminated)
 
 
 class _Pending:
@@ -312,19 +289,21 @@ class _Pending:
                 forced[row] = single_token(bm[row])
 
 
-class OutlinesBatchOps:
-    """Batch operations over outlines-core matchers (see :class:`maskplug.grammar.BatchOps`).
+class OutlinesBatchOps(ChainOpsBase[OutlinesMatcher]):
+    """Batch operations over outlines-core matchers (see :class:`maskplug.grammar.ChainOps`).
 
     Every row comes from the grammars' :class:`MaskCache`, so many rows are
     written by one numpy copy; ``fill_chains`` walks each request's drafts
-    once and writes all its draft rows the same way.
+    once and writes all its draft rows the same way. ``accept`` and
+    ``rollback`` are the per-matcher calls.
     """
 
+    matcher_type = OutlinesMatcher
     # fill_chains reports which rows allow exactly one token.
     fills_forced = True
 
     def __init__(self, vocab: Vocab) -> None:
-        self.vocab = vocab
+        super().__init__(vocab)
         self._eos = frozenset(vocab.eos_ids)
         self._special = vocab.special_ids
         self._n_tokens = len(vocab.tokens)
@@ -337,7 +316,7 @@ class OutlinesBatchOps:
         else:
             pending.add(m._masks, hit[0], row, [hit[1]])
 
-    def fill(self, matchers: Sequence[MatcherBase], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """Fill ``bitmask[rows[i]]`` for ``matchers[i]`` (the bitmask was already checked)."""
         pending = _Pending()
         for m, r in zip(matchers, rows, strict=True):
@@ -347,43 +326,30 @@ class OutlinesBatchOps:
                 self._row(m, bitmask, int(r), pending)
         pending.write(bitmask)
 
-    def accept(self, matchers: Sequence[MatcherBase], tokens: Sequence[int]) -> list[bool]:
-        """``matchers[i].accept(tokens[i])`` for all ``i``."""
-        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
-
-    def rollback(self, matchers: Sequence[MatcherBase], counts: Sequence[int]) -> None:
-        """``matchers[i].rollback(counts[i])`` for all ``i``."""
-        for m, k in zip(matchers, counts, strict=True):
-            if int(k):
-                m.rollback(int(k))
-
-    def fill_chains(
+    def _fill_chains(
         self,
-        matchers: Sequence[MatcherBase],
+        matchers: list[OutlinesMatcher],
         bitmask: torch.Tensor,
-        rows: Sequence[int],
+        rows: list[int],
         drafts: Sequence[Sequence[int]],
-        threads: int | None = None,
-        forced: npt.NDArray[np.bool_] | None = None,
+        workers: int,
+        forced: npt.NDArray[np.bool_] | None,
     ) -> list[int]:
         """Write each request's draft rows in one walk; return how many drafts each accepts.
 
         Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` for every ``p``
         up to the accepted count ``a``; after an accepted stop token row
         ``rows[i] + a`` is not written. Matchers end where they started.
-        ``threads`` is ignored: the walk holds the GIL and is mostly cache
+        ``workers`` is not used: the walk holds the GIL and is mostly cache
         lookups. When ``forced`` (one flag per bitmask row) is given, the
         flag of every written row is set to whether it allows exactly one
         token (known per cached state, so no scan of the rows is needed).
         """
-        check_chain_args(bitmask, rows, drafts, len(matchers), self.vocab)
         pending = _Pending()
         out: list[int] = []
         eos, special, n_tokens = self._eos, self._special, self._n_tokens
-        for m, r0, d in zip(matchers, rows, drafts, strict=True):
-            if not isinstance(m, OutlinesMatcher) or m.is_terminated():
-                raise GrammarError("matchers: fill_chains expects live outlines-core matchers")
-            d = [int(t) for t in d] if not isinstance(d, list) else d
+        for m, r0, seq in zip(matchers, rows, drafts, strict=True):
+            d = [int(t) for t in seq] if not isinstance(seq, list) else seq
             # The walk follows the automaton's transitions without moving the
             # guide: nothing to roll back, and a row is a cache lookup by state.
             step = m._index.get_next_state
@@ -399,7 +365,6 @@ class OutlinesBatchOps:
                 if state is None:
                     break
                 states.append(state)
-            r0 = int(r0)
             cache = m._masks
             slots, block, _, _ = cache.generation
             hits = [slots.get(st) for st in states] if cache.capacity else [None] * len(states)
@@ -465,12 +430,7 @@ class OutlinesProvider(ProviderBase):
         self._vocab_lock = threading.Lock()
         # outlines-core sets the bit of its single EOS id in final states;
         # the other stop ids are or-ed in from this row.
-        self._extra_stop_row: torch.Tensor | None = None
-        if len(vocab.eos_ids) > 1:
-            row = torch.zeros(vocab.mask_words, dtype=torch.int64)
-            for e in vocab.eos_ids:
-                row[e >> 5] |= 1 << (e & 31)
-            self._extra_stop_row = torch.where(row >= 2**31, row - 2**32, row).to(torch.int32)
+        self._extra_stop_row: torch.Tensor | None = stop_row(vocab) if len(vocab.eos_ids) > 1 else None
 
     def engine_vocabulary(self) -> Vocabulary:
         """The outlines-core ``Vocabulary`` (built once): grammar-text tokens only, first stop id as EOS."""
@@ -490,7 +450,7 @@ class OutlinesProvider(ProviderBase):
                 raise GrammarError(f"spec.source: expected a regex str, got {type(src).__name__}")
             return src
         if spec.kind == "json_schema":
-            text = _schema_text(src)
+            text = schema_text(src)
             try:
                 return str(build_regex_from_schema(text))
             except (ValueError, TypeError) as exc:

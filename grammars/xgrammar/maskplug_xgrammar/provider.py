@@ -1,0 +1,303 @@
+"""The xgrammar provider: every spec kind, compiled by xgrammar's grammar compiler.
+
+Everything is built offline from a :class:`maskplug.Vocab`.
+
+How xgrammar's behaviour is normalised to maskplug's matcher contract:
+
+* the vocabulary is handed over as ``VocabType.RAW`` with every control token
+  (stop tokens included) as empty bytes: xgrammar only recognises special
+  tokens of a raw vocabulary that way, and would otherwise treat their literal
+  text (``"</s>"``) as grammar text;
+* stop tokens never reach xgrammar's matcher: :class:`maskplug.grammar.sdk.MatcherBase`
+  accepts one exactly when the text is complete and tracks termination itself,
+  so ``rollback`` counts it as one token like every other provider;
+* fills go into a checked CPU int32 tensor exactly ``ceil(vocab_size/32)``
+  words wide (xgrammar ignores strides and trusts the width);
+* ids outside ``[0, vocab_size)`` raise :class:`maskplug.GrammarError` before
+  xgrammar sees them;
+* many rows are filled on xgrammar's C++ thread pool (``BatchGrammarMatcher``);
+* a request's whole draft chain is filled by one ``traverse_draft_tree`` call
+  (accept, fill and roll back in C++, without the GIL), requests spread over
+  a small thread pool (:meth:`XGrammarBatchOps.fill_chains`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import xgrammar as xgr
+
+from maskplug.grammar.sdk import (
+    SPEC_KINDS,
+    ChainOpsBase,
+    GrammarError,
+    GrammarSpec,
+    Matcher,
+    MatcherBase,
+    ProviderBase,
+    Vocab,
+    check_choice,
+    schema_text,
+    spread_tasks,
+)
+
+__all__ = [
+    "KINDS",
+    "XGrammarBatchOps",
+    "XGrammarCompiled",
+    "XGrammarGrammar",
+    "XGrammarMatcher",
+    "XGrammarProvider",
+    "choice_ebnf",
+]
+
+KINDS = frozenset(SPEC_KINDS)
+
+
+def choice_ebnf(source: Any) -> str:
+    """An EBNF grammar whose language is exactly the given strings (the empty string included)."""
+    items = check_choice(source, allow_empty=True)
+    # JSON string literals are valid EBNF string literals for xgrammar; keeping
+    # non-ASCII characters raw avoids surrogate-pair escapes.
+    return "root ::= " + " | ".join(json.dumps(s, ensure_ascii=False) for s in items)
+
+
+class XGrammarGrammar:
+    """A grammar compiled by xgrammar for one vocabulary."""
+
+    def __init__(self, provider: XGrammarProvider, spec: GrammarSpec, compiled: Any) -> None:
+        self.provider = provider
+        self.spec = spec
+        self.raw = compiled
+
+    def matcher(self) -> XGrammarMatcher:
+        """A fresh matcher at the start of the grammar."""
+        raw = xgr.GrammarMatcher(self.raw, terminate_without_stop_token=False, max_rollback_tokens=-1)
+        return XGrammarMatcher(self.provider, raw)
+
+
+# The earlier name of XGrammarGrammar.
+XGrammarCompiled = XGrammarGrammar
+
+
+class XGrammarMatcher(MatcherBase):
+    """One request's state, with maskplug's normalised semantics (see the module docstring)."""
+
+    # xgrammar's fill and accept run in C++ without the GIL.
+    releases_gil = True
+
+    def __init__(self, provider: XGrammarProvider, raw: Any) -> None:
+        super().__init__(provider.vocab)
+        self.provider = provider
+        self.raw = raw
+        self.batch_ops = provider.batch_ops
+
+    def _accept(self, token: int) -> bool:
+        return bool(self.raw.accept_token(token))
+
+    def _rollback(self, n: int) -> None:
+        self.raw.rollback(n)
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        # xgrammar returns whether the row restricts anything ("need apply").
+        return bool(self.raw.fill_next_token_bitmask(bitmask, row))
+
+    def _is_complete(self) -> bool:
+        return bool(self.raw.is_completed())
+
+    def _reset(self) -> None:
+        self.raw.reset()
+
+    def _fork(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self.provider, self.raw.fork())
+
+
+def _raw(m: Matcher) -> Any:
+    """The xgrammar ``GrammarMatcher`` of one of this provider's matchers."""
+    return cast(XGrammarMatcher, m).raw
+
+
+class XGrammarBatchOps(ChainOpsBase[XGrammarMatcher]):
+    """Batch fill/accept/rollback and draft chains over xgrammar matchers (see :class:`maskplug.grammar.ChainOps`)."""
+
+    matcher_type = XGrammarMatcher
+
+    def __init__(self, vocab: Vocab, max_threads: int) -> None:
+        super().__init__(vocab)
+        self.max_threads = max_threads
+        self.default_threads = max_threads
+        self.batch = xgr.BatchGrammarMatcher(max_threads=max_threads)
+        self._eos = frozenset(vocab.eos_ids)
+        self._eos_arr = np.asarray(sorted(vocab.eos_ids), dtype=np.int64)
+        self._special = vocab.special_ids
+        self._n_tokens = len(vocab.tokens)
+        # A chain of k drafts is a draft tree whose node i has child i + 1 and no sibling.
+        self._trees: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tree(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tree = self._trees.get(k)
+        if tree is None:
+            child = torch.arange(1, k + 2, dtype=torch.int64)
+            child[k] = -1
+            tree = (child, torch.full((k + 1,), -1, dtype=torch.int64))
+            self._trees[k] = tree
+        return tree
+
+    def _fill_chains(
+        self,
+        matchers: list[XGrammarMatcher],
+        bitmask: torch.Tensor,
+        rows: list[int],
+        drafts: Sequence[Sequence[int]],
+        workers: int,
+        forced: npt.NDArray[np.bool_] | None,
+    ) -> list[int]:
+        """Fill each request's draft rows with one ``traverse_draft_tree`` call; return the accepted counts.
+
+        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` up to the
+        first draft the mask refuses or just after an accepted stop token
+        (see :mod:`maskplug.grammar.draft`). xgrammar checks each draft
+        against the row it just filled, so the accepted counts are read back
+        from the rows, vectorised. Requests run on ``workers`` threads (the
+        calls release the GIL); matchers end where they started.
+        """
+        n = len(matchers)
+        lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
+        width = int(lens.max())
+        # Node 0 of every tree is the current state (its token is not fed).
+        toks = torch.zeros((n, width + 1), dtype=torch.int64)
+        tok_np = toks.numpy()
+        for i, d in enumerate(drafts):
+            tok_np[i, 1 : 1 + len(d)] = d
+        raws = [m.raw for m in matchers]
+        starts = rows
+
+        def one(i: int) -> None:
+            k = int(lens[i])
+            child, sibling = self._tree(k)
+            raws[i].traverse_draft_tree(child, sibling, toks[i, : k + 1], bitmask[starts[i] : starts[i] + k + 1])
+
+        spread_tasks(one, n, workers)
+
+        # Accepted count: leading drafts whose bit is set in the row before them,
+        # cut just after the first accepted stop token.
+        if width == 0:
+            return [0] * n
+        fed = tok_np[:, 1:]
+        valid = np.arange(width)[None, :] < lens[:, None]
+        r = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width)[None, :]
+        r = np.where(valid, r, 0)
+        dd = np.where(valid, fed, 0)
+        words = bitmask.numpy()[r, dd >> 5].view(np.uint32)
+        ok = (((words >> (dd & 31).astype(np.uint32)) & 1) == 1) & valid
+        lead = np.cumprod(ok, axis=1).astype(bool)
+        took = lead.sum(axis=1)
+        stop = lead & np.isin(fed, self._eos_arr)
+        has_stop = stop.any(axis=1)
+        first_stop = np.argmax(stop, axis=1)
+        took = np.where(has_stop, np.minimum(took, first_stop + 1), took)
+        return [int(t) for t in took]
+
+    def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``matchers[i]``; terminated matchers get their stop-only row."""
+        live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(live) != len(matchers):
+            for i, m in enumerate(matchers):
+                if m.is_terminated():
+                    m.fill(bitmask, rows[i])
+        if live:
+            handles = [_raw(matchers[i]) for i in live]
+            self.batch.batch_fill_next_token_bitmask(handles, bitmask, [int(rows[i]) for i in live])
+
+    def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
+        """``matchers[i].accept(tokens[i])`` for all ``i``; plain text tokens go through xgrammar's batch call."""
+        out = [False] * len(matchers)
+        plain: list[int] = []
+        for i, (m, t) in enumerate(zip(matchers, tokens, strict=True)):
+            t = int(t)
+            if m.is_terminated() or t in self._special or t >= self._n_tokens or t < 0:
+                # Stop tokens, control tokens, padding and bad ids take the checked path.
+                out[i] = m.accept(t)
+            else:
+                plain.append(i)
+        if plain:
+            res = xgr.BatchGrammarMatcher.batch_accept_token(
+                [_raw(matchers[i]) for i in plain],
+                [int(tokens[i]) for i in plain],
+            )
+            for i, ok in zip(plain, res, strict=True):
+                out[i] = bool(ok)
+        return out
+
+    def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
+        """``matchers[i].rollback(counts[i])`` for all ``i``, the engine's part in one batch call."""
+        raw: list[Any] = []
+        ks: list[int] = []
+        for m, k in zip(matchers, counts, strict=True):
+            k = int(k)
+            if k <= 0:
+                continue
+            # The stop token was never given to xgrammar: it is undone here.
+            k = cast(XGrammarMatcher, m)._unwind_stop(k)
+            if k:
+                raw.append(_raw(m))
+                ks.append(k)
+        if raw:
+            xgr.BatchGrammarMatcher.batch_rollback(raw, ks)
+
+
+class XGrammarProvider(ProviderBase):
+    """xgrammar bound to one vocabulary; compiles every spec kind of :data:`maskplug.grammar.SPEC_KINDS`."""
+
+    name = "xgrammar"
+    kinds = KINDS
+
+    def __init__(self, vocab: Vocab, max_threads: int | None = None) -> None:
+        super().__init__(vocab)
+        # Control tokens as empty bytes: the only way xgrammar recognises them in a raw vocabulary.
+        encoded = [b"" if i in vocab.special_ids else t for i, t in enumerate(vocab.tokens)]
+        self.tokenizer_info = xgr.TokenizerInfo(
+            encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids)
+        )
+        threads = max_threads if max_threads is not None else min(8, os.cpu_count() or 1)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads)
+        self.batch_ops = XGrammarBatchOps(vocab, threads)
+
+    def _compile(self, spec: GrammarSpec) -> XGrammarGrammar:
+        compile_fn: Callable[[], Any]
+        kind, src = spec.kind, spec.source
+        if kind == "json_schema":
+            text = schema_text(src)
+            compile_fn = lambda: self.compiler.compile_json_schema(text)  # noqa: E731
+        elif kind == "json_object":
+            compile_fn = self.compiler.compile_builtin_json_grammar
+        elif kind == "choice":
+            ebnf = choice_ebnf(src)
+            compile_fn = lambda: self.compiler.compile_grammar(ebnf)  # noqa: E731
+        else:
+            if not isinstance(src, str):
+                raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
+            methods: dict[str, Callable[[str], Any]] = {
+                "regex": self.compiler.compile_regex,
+                "ebnf": self.compiler.compile_grammar,
+                "lark": self.compiler.compile_lark,
+            }
+            method, text = methods[kind], src
+            compile_fn = lambda: method(text)  # noqa: E731
+        try:
+            raw = compile_fn()
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar reports every grammar error as RuntimeError/ValueError
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            # Drop xgrammar's "[hh:mm:ss] /path/file.cc:123:" prefix; keep the reason.
+            reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", lines[-1]) if lines else type(exc).__name__
+            raise GrammarError(f"spec.source: xgrammar could not compile this {kind} spec: {reason}") from exc
+        return XGrammarGrammar(self, spec, raw)
