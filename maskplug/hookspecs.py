@@ -27,7 +27,9 @@ def maskplug_register_kernels(register: Callable[[Any], None]) -> None:
     ``name: str``, ``priority: int`` (``backend="auto"`` picks the available
     backend of highest priority), ``unavailable_reason(device) -> str | None``
     and ``apply(logits, bitmask, request, position, cu_logits, vocab_size,
-    mask_tail) -> None``; see :class:`maskplug.KernelBackend`.
+    mask_tail) -> None``; see :class:`maskplug.KernelBackend`. Backend
+    distributions build on :mod:`maskplug.kernels.sdk` (its ``BackendBase``
+    caches the availability answer and refuses to run where it is unavailable).
     """
 
 

@@ -19,6 +19,8 @@ the work is split into column blocks to bound temporaries.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -163,7 +165,7 @@ _BACKEND = TorchBackend()
 
 
 @hookimpl
-def maskplug_register_kernels(register):  # type: ignore[no-untyped-def]
+def maskplug_register_kernels(register: Callable[[Any], None]) -> None:
     """Register the built-in torch backend."""
     register(_BACKEND)
 
