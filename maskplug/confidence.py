@@ -1,9 +1,9 @@
 """The confidence pipeline: device-side draft confidences, host copies two steps old.
 
-A confidence-scheduled budget (DESIGN §4.2) is chosen on the host *before* a
-step runs, while the drafter's confidences for that step (and, with
-asynchronous scheduling, for the previous one) are still being computed on the
-device. Waiting for them would stall the engine, so the budget reads the
+A confidence-scheduled budget (``docs/design.md``, "Confidences across
+steps") is chosen on the host *before* a step runs, while the drafter's
+confidences for that step (and, with asynchronous scheduling, for the previous
+one) are still being computed on the device. Waiting for them would stall the engine, so the budget reads the
 confidences recorded two steps earlier, and only the device-side allocation
 sees the live ones.
 

@@ -101,6 +101,112 @@ def test_exactly_two_steps_old_and_new_requests_read_one() -> None:
     assert np.all(hist.stale([0]) >= 0)
 
 
+def _rows(t: int, n: int, k: int) -> torch.Tensor:
+    """Step ``t``'s live confidences: exact in float32, different for every step, slot and column."""
+    base = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    return (base + 64.0 * t + 1.0) / 1024.0
+
+
+def test_stale_is_the_recording_two_steps_back_and_never_a_later_one() -> None:
+    hist = mp.ConfidenceHistory(num_slots=3, max_drafts=4)
+    slots = [2, 0, 1]
+    recorded: list[np.ndarray] = []
+    for t in range(8):
+        got = hist.stale(slots)
+        if t < 2:
+            np.testing.assert_array_equal(got, np.ones((3, 4)))  # nothing two steps old yet
+        else:
+            np.testing.assert_array_equal(got, recorded[t - 2])
+            # the newer recording (step t-1) was made to the same slots and is not what stale() hands out
+            assert not np.array_equal(got, recorded[t - 1])
+        live = _rows(t, 3, 4)
+        hist.record(slots, live)
+        recorded.append(live.numpy().astype(np.float64))
+        assert hist.step == t + 1
+
+
+def test_a_returned_stale_array_does_not_follow_later_records() -> None:
+    hist = mp.ConfidenceHistory(num_slots=2, max_drafts=3)
+    for t in range(2):
+        hist.record([0, 1], _rows(t, 2, 3))
+    held = hist.stale([0, 1])
+    expect = _rows(0, 2, 3).numpy().astype(np.float64)
+    np.testing.assert_array_equal(held, expect)
+    # Two more steps overwrite both host buffers, the one `held` was read from included.
+    for t in range(2, 4):
+        hist.record([0, 1], _rows(t, 2, 3))
+    np.testing.assert_array_equal(held, expect)
+    np.testing.assert_array_equal(hist.stale([0, 1]), _rows(2, 2, 3).numpy())
+    # And writing the returned array changes nothing inside the history.
+    held[:] = -1.0
+    again = hist.stale([0, 1])
+    np.testing.assert_array_equal(again, _rows(2, 2, 3).numpy())
+    again[:] = -1.0
+    np.testing.assert_array_equal(hist.stale([1]), _rows(2, 2, 3).numpy()[1:])
+
+
+def test_changing_the_live_tensor_after_record_does_not_change_the_history() -> None:
+    hist = mp.ConfidenceHistory(num_slots=4, max_drafts=3)
+    live = _rows(0, 2, 3)
+    expect = live.numpy().astype(np.float64).copy()
+    hist.record([3, 1], live)
+    live.fill_(0.5)  # the engine reuses its buffer for the next step's confidences
+    hist.record([3, 1], live)
+    live.zero_()
+    np.testing.assert_array_equal(hist.stale([3, 1]), expect)  # step 0 as it was recorded
+    hist.record([], torch.zeros((0, 3)))
+    np.testing.assert_array_equal(hist.stale([3, 1]), np.full((2, 3), 0.5))  # step 1 as it was recorded
+    # a non-contiguous live tensor (a column slice of a wider buffer) is copied the same way
+    wide = torch.stack([_rows(5, 2, 3), _rows(6, 2, 3)], dim=2).reshape(2, 6)
+    view = wide[:, ::2]
+    want = view.numpy().astype(np.float64).copy()
+    hist.record([0, 2], view)
+    wide.fill_(0.25)
+    hist.record([], torch.zeros((0, 3)))
+    hist.record([], torch.zeros((0, 3)))
+    np.testing.assert_array_equal(hist.stale([0, 2]), want)
+
+
+def test_reset_reads_one_until_a_recording_after_it_is_two_steps_old() -> None:
+    hist = mp.ConfidenceHistory(num_slots=3, max_drafts=2)
+    for t in range(3):
+        hist.record([0, 1, 2], _rows(t, 3, 2))
+    assert hist.step == 3
+    old = _rows(1, 3, 2).numpy().astype(np.float64)
+    np.testing.assert_array_equal(hist.stale([0, 1, 2]), old)
+    # Slot 1 is taken by a new request at step 3, slot 2 at step 3 too but never recorded again.
+    hist.reset([1, 2])
+    assert hist.step == 3  # reset does not advance the step
+    got = hist.stale([0, 1, 2])
+    np.testing.assert_array_equal(got[0], old[0])
+    np.testing.assert_array_equal(got[1:], np.ones((2, 2)))  # not the previous occupants' step-1 values
+    hist.record([0, 1], _rows(3, 2, 2))  # step 3: the new request's first confidences
+    np.testing.assert_array_equal(hist.stale([1, 2]), np.ones((2, 2)))  # step 2 predates the reset
+    hist.record([0, 1], _rows(4, 2, 2))
+    np.testing.assert_array_equal(hist.stale([1]), _rows(3, 2, 2).numpy()[1:])  # step 3: after the reset
+    # slot 2 was not covered by any recording since its reset: it reads 1, never its old values
+    for _ in range(3):
+        np.testing.assert_array_equal(hist.stale([2]), np.ones((1, 2)))
+        hist.record([0], _rows(9, 1, 2))
+    # resetting nothing changes nothing
+    before = hist.stale([0, 1, 2])
+    hist.reset([])
+    np.testing.assert_array_equal(hist.stale([0, 1, 2]), before)
+
+
+def test_reset_then_record_in_the_same_step_counts_from_that_step() -> None:
+    hist = mp.ConfidenceHistory(num_slots=2, max_drafts=2)
+    hist.record([0], _rows(0, 1, 2))
+    hist.reset([0])  # step 1: a new request in slot 0, whose confidences are recorded in the same step
+    hist.record([0], _rows(1, 1, 2))
+    np.testing.assert_array_equal(hist.stale([0]), np.ones((1, 2)))  # step 0 belongs to the old occupant
+    hist.record([], torch.zeros((0, 2)))
+    np.testing.assert_array_equal(hist.stale([0]), _rows(1, 1, 2).numpy())
+    # a second reset of the same slot starts over
+    hist.reset([0])
+    np.testing.assert_array_equal(hist.stale([0]), np.ones((1, 2)))
+
+
 def test_recording_fewer_columns_pads_with_one() -> None:
     hist = mp.ConfidenceHistory(num_slots=2, max_drafts=4)
     hist.record([1], torch.tensor([[0.25, 0.5]]))
@@ -129,7 +235,8 @@ def test_history_validation() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_history_is_asynchronous_and_exact() -> None:
+def test_cuda_history_is_exact() -> None:
+    """The CUDA path (pinned buffers, events) hands out the same values as the step-by-step oracle."""
     dev = torch.device("cuda")
     hist = mp.ConfidenceHistory(num_slots=64, max_drafts=4, device=dev)
     oracle = _Oracle(64, 4)
@@ -142,7 +249,6 @@ def test_cuda_history_is_asynchronous_and_exact() -> None:
         got = hist.stale(slots)
         np.testing.assert_array_equal(got, oracle.stale(slots.tolist(), 4))
         live = torch.rand((slots.shape[0], 4), device=dev, generator=gen)
-        # the host copy is read without waiting on this step's device work
         hist.record(slots, live)
         oracle.record(slots.tolist(), live.cpu().numpy())
     with pytest.raises(mp.BudgetError, match="on cuda"):
