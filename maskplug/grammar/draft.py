@@ -2,22 +2,22 @@
 
 :func:`fill_draft_masks` walks every grammar request's drafts once, writing row
 ``p`` = the grammar's mask after accepting drafts ``0..p-1``, then rolls the
-matchers back to where they started. Matchers whose batch operations are a
-:class:`~maskplug.grammar.ChainOps` hand over every request's whole draft
-chain in one ``fill_chains`` call; matchers with plain batch operations
-(:class:`~maskplug.grammar.BatchOps`) are advanced position by position, all
-requests of one provider in one call per position; the others run one request
-at a time, on a thread pool when their engine releases the GIL.
+matchers back to where they started. Matchers whose batch operations offer
+``fill_chains`` (below) hand over every request's whole draft chain in one
+call; matchers with plain batch operations (:class:`~maskplug.grammar.BatchOps`)
+are advanced position by position, all requests of one provider in one call
+per position; the others run one request at a time, on a thread pool when
+their engine releases the GIL.
 
-The chain operation, ``batch_ops.fill_chains(matchers, bitmask, rows, drafts,
-threads=n) -> list[int]``: for each live (not terminated) matcher ``i``,
-starting from its current state, row ``rows[i] + p`` is the mask after
-accepting ``drafts[i][:p]``, for every ``p`` up to the number of drafts it
-accepts, ``a_i``, which it returns. The walk stops at the first draft the
-matcher refuses (that draft's row is written, later ones are not) and after an
-accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is not
-written). Matchers end in the state they started in, also on error. It lets
-an engine do in one native call (or without touching the matcher's
+The optional chain operation, ``batch_ops.fill_chains(matchers, bitmask,
+rows, drafts, threads=n) -> list[int]``: for each live (not terminated)
+matcher ``i``, starting from its current state, row ``rows[i] + p`` is the
+mask after accepting ``drafts[i][:p]``, for every ``p`` up to the number of
+drafts it accepts, ``a_i``, which it returns. The walk stops at the first
+draft the matcher refuses (that draft's row is written, later ones are not)
+and after an accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is
+not written). Matchers end in the state they started in, also on error. It
+lets an engine do in one native call (or without touching the matcher's
 state at all) what the generic walk does with one Python call per row.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -144,39 +145,56 @@ def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArr
 _DEFAULT_THREADS = min(8, os.cpu_count() or 1)
 
 
+@dataclass
 class _Walk:
-    """The shared state of one fill: which requests still advance and what they accepted."""
+    """One fill: its inputs per grammar request (``rows`` order) and what the walks found.
 
-    def __init__(self, g: int, nd: IntArray, total: int = 0) -> None:
+    Inputs: the matchers, the drafts matrix ``d`` (padded with -1) and draft
+    counts ``nd``, the rows each request gets (``need``), its reasoning gate,
+    its first bitmask row (``row0``), its stop ids and the bitmask. The
+    walks record which requests still advance (``alive``), the drafts each
+    matcher accepted (``accepted``, rolled back afterwards), the drafts the
+    grammar accepts (``acceptable``), which rows they wrote (``filled``) and
+    the single-token flags a chain operation reported per bitmask row
+    (``row_forced``, valid where ``known``). Each walker touches only its own
+    requests' entries.
+    """
+
+    matchers: Sequence[Matcher]
+    d: IntArray
+    nd: IntArray
+    need: IntArray
+    gate: IntArray
+    row0: IntArray
+    eos: Sequence[frozenset[int]]
+    bitmask: torch.Tensor
+    total: int
+    alive: npt.NDArray[np.bool_] = field(init=False)
+    accepted: IntArray = field(init=False)
+    acceptable: IntArray = field(init=False)
+    filled: npt.NDArray[np.bool_] = field(init=False)
+    row_forced: npt.NDArray[np.bool_] = field(init=False)
+    known: npt.NDArray[np.bool_] = field(init=False)
+
+    def __post_init__(self) -> None:
+        g = self.nd.shape[0]
         self.alive = np.ones(g, dtype=bool)
         self.accepted = np.zeros(g, dtype=np.int64)
-        self.acceptable = nd.copy()
-        self.filled = np.zeros((g, 0), dtype=bool)
-        # Single-token flags a chain operation reported, per bitmask row, and which rows have one.
-        self.row_forced = np.zeros(total, dtype=bool)
-        self.known = np.zeros(total, dtype=bool)
+        self.acceptable = self.nd.copy()
+        self.filled = np.zeros((g, int(self.need.max()) if g else 0), dtype=bool)
+        self.row_forced = np.zeros(self.total, dtype=bool)
+        self.known = np.zeros(self.total, dtype=bool)
 
 
-def _walk_batched(
-    ops: Any,
-    members: IntArray,
-    matchers: Sequence[Matcher],
-    d: IntArray,
-    nd: IntArray,
-    need: IntArray,
-    gate: IntArray,
-    row0: IntArray,
-    eos: Sequence[frozenset[int]],
-    bitmask: torch.Tensor,
-    w: _Walk,
-) -> None:
+def _walk_batched(w: _Walk, ops: BatchOps, members: IntArray) -> None:
     """Position-major walk: one batch fill and one batch accept per position for all members."""
+    matchers, d, nd, need, gate, row0 = w.matchers, w.d, w.nd, w.need, w.gate, w.row0
     horizon = int(need[members].max()) if members.size else 0
     for p in range(horizon):
         live = members[w.alive[members]]
         fill = live[(p < need[live]) & (p >= gate[live])]
         if fill.size:
-            ops.fill([matchers[g] for g in fill], bitmask, (row0[fill] + p).tolist())
+            ops.fill([matchers[g] for g in fill], w.bitmask, (row0[fill] + p).tolist())
             w.filled[fill, p] = True
         adv = live[(p < nd[live]) & (p >= gate[live])]
         if adv.size == 0:
@@ -188,28 +206,16 @@ def _walk_batched(
         refused = adv[~ok]
         w.alive[refused] = False
         w.acceptable[refused] = p
-        stopped = np.array([int(t) in eos[g] for g, t in zip(took.tolist(), d[took, p].tolist(), strict=True)], bool)
+        stopped = np.array([int(t) in w.eos[g] for g, t in zip(took.tolist(), d[took, p].tolist(), strict=True)], bool)
         if stopped.size and np.any(stopped):
             s = took[stopped]
             w.alive[s] = False
             w.acceptable[s] = p + 1
 
 
-def _walk_chains(
-    ops: Any,
-    members: list[int],
-    matchers: Sequence[Matcher],
-    d: IntArray,
-    nd: IntArray,
-    need: IntArray,
-    gate: IntArray,
-    row0: IntArray,
-    eos: Sequence[frozenset[int]],
-    bitmask: torch.Tensor,
-    threads: int,
-    w: _Walk,
-) -> None:
+def _walk_chains(w: _Walk, ops: ChainOps, members: list[int], threads: int) -> None:
     """One ``fill_chains`` call for all members; the walk's bookkeeping is derived from its counts (vectorised)."""
+    d, nd, need, gate, row0, bitmask = w.d, w.nd, w.need, w.gate, w.row0, w.bitmask
     mem = np.asarray(members, dtype=np.int64)
     lo = gate[mem]
     hi_d = np.maximum(nd[mem], lo)  # drafts fed: d[g, lo:hi_d]
@@ -218,10 +224,11 @@ def _walk_chains(
     drafts = [r[a:b] for r, a, b in zip(rows_d, lo_l, hi_l, strict=True)]
     starts = (row0[mem] + lo).tolist()
     reports = bool(ops.fills_forced)
-    kw: dict[str, Any] = {"threads": threads}
+    chained = [w.matchers[g] for g in members]
     if reports:
-        kw["forced"] = w.row_forced
-    took_l = ops.fill_chains([matchers[g] for g in members], bitmask, starts, drafts, **kw)
+        took_l = ops.fill_chains(chained, bitmask, starts, drafts, threads=threads, forced=w.row_forced)
+    else:
+        took_l = ops.fill_chains(chained, bitmask, starts, drafts, threads=threads)
     if len(took_l) != len(members):
         raise GrammarError(f"fill_chains: expected {len(members)} accepted counts, got {len(took_l)}")
     took = np.asarray(took_l, dtype=np.int64).reshape(-1)
@@ -235,7 +242,7 @@ def _walk_chains(
     if d.shape[1]:
         last_tok = d[mem, np.clip(lo + took - 1, 0, d.shape[1] - 1)]
         stopped = np.array(
-            [t in e for t, e in zip(last_tok.tolist(), (eos[g] for g in members), strict=True)], dtype=bool
+            [t in e for t, e in zip(last_tok.tolist(), (w.eos[g] for g in members), strict=True)], dtype=bool
         ) & (took > 0)
     cut = stopped | (took < count)
     # Cut short: rows lo .. lo+took (refused draft's row) or lo .. lo+took-1 (after a stop).
@@ -257,19 +264,10 @@ def _walk_chains(
         w.row_forced[r + 1 : end] = w.row_forced[r]
 
 
-def _walk_one(
-    g: int,
-    m: Matcher,
-    d: IntArray,
-    nd: int,
-    need: int,
-    gate: int,
-    row0: int,
-    eos: frozenset[int],
-    bitmask: torch.Tensor,
-    w: _Walk,
-) -> None:
+def _walk_one(w: _Walk, g: int) -> None:
     """Request-major walk of one request (each thread touches only its own entries)."""
+    m, d, eos, bitmask = w.matchers[g], w.d[g], w.eos[g], w.bitmask
+    nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
     for p in range(need):
         if p >= gate:
             m.fill(bitmask, row0 + p)
@@ -403,9 +401,7 @@ def fill_draft_masks(
                     f"drafts[{int(mem[i])}][{int(p)}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
                 )
 
-    walk = _Walk(g_count, nd, total)
-    walk.filled = np.zeros((g_count, int(need.max()) if g_count else 0), dtype=bool)
-    eos = _eos_sets(vocabs)
+    walk = _Walk(ms, d, nd, need, gate, row0, _eos_sets(vocabs), bitmask, total)
     n_threads = _DEFAULT_THREADS if threads is None else int(threads)
 
     # Group requests by their provider's batch operations; "threads" (or a
@@ -432,9 +428,9 @@ def fill_draft_masks(
 
     try:
         for cops, members in chains.values():
-            _walk_chains(cops, members, ms, d, nd, need, gate, row0, eos, bitmask, n_threads, walk)
+            _walk_chains(walk, cops, members, n_threads)
         for ops, members in groups.values():
-            _walk_batched(ops, np.asarray(members, dtype=np.int64), ms, d, nd, need, gate, row0, eos, bitmask, walk)
+            _walk_batched(walk, ops, np.asarray(members, dtype=np.int64))
         if single:
             pooled = (
                 strategy != "serial"
@@ -445,9 +441,7 @@ def fill_draft_masks(
 
             def chunk(part: list[int]) -> None:
                 for g in part:
-                    _walk_one(
-                        g, ms[g], d[g], int(nd[g]), int(need[g]), int(gate[g]), int(row0[g]), eos[g], bitmask, walk
-                    )
+                    _walk_one(walk, g)
 
             if pooled:
                 # Interleaved chunks balance grammars of different cost across the workers.
