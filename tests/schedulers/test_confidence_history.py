@@ -221,7 +221,7 @@ def test_history_validation() -> None:
     with pytest.raises(mp.LayoutError, match="unique"):
         hist.reset([1, 1])
     with pytest.raises(mp.LayoutError, match="integer"):
-        hist.reset([0.5])
+        hist.reset([0.5])  # type: ignore[list-item]
     with pytest.raises(mp.BudgetError, match=r"confidences: expected shape \(1, <= 2\)"):
         hist.record([0], torch.ones((1, 3)))
     with pytest.raises(mp.BudgetError, match="floating"):

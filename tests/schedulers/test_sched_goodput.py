@@ -49,6 +49,7 @@ def test_converges_to_the_true_acceptance_rate() -> None:
 
 def test_budget_zero_when_drafts_are_never_accepted() -> None:
     sched = mp.get_scheduler("goodput")
+    assert isinstance(sched, GoodputScheduler)
     next_id = 0
     live_ids = list(range(8))
     next_id = 8

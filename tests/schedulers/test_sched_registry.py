@@ -81,9 +81,9 @@ def test_builtins_register_through_the_hook() -> None:
 
 def test_the_listing_is_the_sorted_registered_names(only_builtins: list[_EntryPoint]) -> None:
     # Nothing but the built-ins: the listing is exactly their names, sorted, whichever way it is reached.
-    assert mp.schedulers() == BUILTINS
+    assert mp.schedulers() == BUILTINS  # type: ignore[operator]
     assert callable(maskplug.schedulers) and isinstance(maskplug.schedulers, types.ModuleType)
-    assert maskplug.schedulers() == BUILTINS
+    assert maskplug.schedulers() == BUILTINS  # type: ignore[operator]
     assert maskplug.schedulers.schedulers() == BUILTINS
     assert [p.name for p in mp.get_registry().plugins] == list(BUILTIN_PLUGINS)
     # An outside plugin found through its entry point appears in the listing, in sorted place.
@@ -189,7 +189,7 @@ class _Plugin:
 
 def test_outside_plugin_scheduler_is_found_by_name_and_wrapped(fresh_registry: None) -> None:
     mp.get_registry().add_plugin(_Plugin(), "test-halving")
-    assert "halving" in mp.schedulers()
+    assert "halving" in mp.schedulers()  # type: ignore[operator]
     sched = mp.get_scheduler("halving", rounding="up")
     assert isinstance(sched, mp.Scheduler) and sched.rounding == "up"  # type: ignore[attr-defined]
     lay = mp.ScheduledLayout([1, 2], [4, 3], [1, 1])
