@@ -172,7 +172,7 @@ class BackendBase:
 
     def __init__(self) -> None:
         self._reasons_lock = threading.Lock()
-        self._reasons: dict[tuple[str, int | None], str | None] = {}
+        self._reasons: dict[torch.device, str | None] = {}
 
     def probe(self, device: torch.device) -> str | None:
         """``None`` when the backend can run on ``device``, else the precise reason (uncached)."""
@@ -184,15 +184,16 @@ class BackendBase:
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """``None`` when the backend can run on ``device``, else the precise reason (cached per device)."""
-        key = (device.type, device.index)
+        # Keyed by the device itself: asked on every apply, and hashing a
+        # torch.device is several times cheaper than reading its type and index.
         try:
-            return self._reasons[key]
+            return self._reasons[device]
         except KeyError:
             pass
         with self._reasons_lock:
-            if key not in self._reasons:
-                self._reasons[key] = self.probe(device)
-            return self._reasons[key]
+            if device not in self._reasons:
+                self._reasons[device] = self.probe(device)
+            return self._reasons[device]
 
     def apply(
         self,
