@@ -31,6 +31,7 @@ Both run on the host, on the same tensors SGLang hands its own code.
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,11 @@ from .plugin import TESTED_SGLANG
 __all__ = [
     "DSparkBudgetPlanner",
     "VerifyPlan",
+    "blank_rows_past",
     "build_verify_mask",
     "chain_layout",
     "check_sglang_version",
+    "cost_from_sps_table",
     "fill_verify_rows",
     "grammar_corrected_confidence",
     "sglang_version",
@@ -221,6 +224,21 @@ def fill_verify_rows(
     return masks
 
 
+def blank_rows_past(vocab_mask: torch.Tensor, verify_lens: Any, width: int) -> None:
+    """Set the rows of a ``(bs × W)``-row chain mask past each request's verify length all-allowed."""
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 1:
+        raise LayoutError(f"width: expected the chain width (an int >= 1), got {width!r}")
+    if not isinstance(vocab_mask, torch.Tensor) or vocab_mask.ndim != 2 or vocab_mask.shape[0] % int(width):
+        got = tuple(vocab_mask.shape) if isinstance(vocab_mask, torch.Tensor) else type(vocab_mask).__name__
+        raise LayoutError(f"vocab_mask: expected a 2-D tensor of bs × W rows (W = {width}), got {got}")
+    bs = int(vocab_mask.shape[0]) // int(width)
+    vl = _verify_lens(verify_lens, bs, int(width))
+    past = np.arange(int(width))[None, :] >= vl[:, None]
+    rows = np.flatnonzero(past.reshape(-1))
+    if rows.size:
+        vocab_mask[torch.from_numpy(rows).to(vocab_mask.device)] = -1
+
+
 def build_verify_mask(
     *,
     reqs: Sequence[Any],
@@ -293,6 +311,35 @@ def grammar_corrected_confidence(confidence: torch.Tensor, grammar: DraftMasks |
     return torch.where(torch.isnan(t), out, t)
 
 
+def cost_from_sps_table(table: Any, max_reqs: int, max_tokens: int) -> CostModel:
+    """maskplug's :class:`~maskplug.CostModel` from SGLang's profiled DSpark cost table.
+
+    ``SpsCostTable`` (steps per second by batch tokens) becomes a verify cost
+    of ``1000 / sps`` ms per step and no separate draft cost;
+    ``SpsAdditiveCostTable`` (``bias + alpha(bs) + theta(tokens)`` seconds)
+    becomes a draft cost ``bias + alpha`` and a verify cost ``theta``.
+
+    Raises:
+        BudgetError: the table is neither kind.
+    """
+    from sglang.srt.speculative.dspark_components.dspark_sps import SpsAdditiveCostTable, SpsCostTable
+
+    if isinstance(table, SpsAdditiveCostTable):
+        draft = [
+            (int(b), 1000.0 * (table.bias_seconds + a))
+            for b, a in zip(table.bs_probes, table.alpha_seconds, strict=True)
+        ]
+        verify = [(int(m), 1000.0 * t) for m, t in zip(table.m_probes, table.theta_seconds, strict=True)]
+        return CostModel.from_curves(draft, verify, max_reqs, max_tokens)
+    if isinstance(table, SpsCostTable):
+        verify = [
+            (int(t), 1000.0 / s if s > 0 else 1e9)
+            for t, s in zip(table.sample_batch_tokens, table.sample_steps_per_sec, strict=True)
+        ]
+        return CostModel.from_curves([(0, 0.0), (1, 0.0)], verify, max_reqs, max_tokens)
+    raise BudgetError(f"table: expected SGLang's SpsCostTable or SpsAdditiveCostTable, got {type(table).__name__}")
+
+
 @dataclass(frozen=True)
 class VerifyPlan:
     """One step's plan: the scheduler's decision and SGLang's verify lengths for it.
@@ -360,7 +407,7 @@ class DSparkBudgetPlanner:
         if cost is not None and not isinstance(cost, CostModel):
             raise BudgetError(f"cost: expected a maskplug.CostModel or None, got {type(cost).__name__}")
         if scheduler is None or isinstance(scheduler, str):
-            name = scheduler
+            name = scheduler if scheduler is not None else (os.environ.get("MASKPLUG_SCHEDULER") or None)
             if isinstance(name, str) and name.startswith("grammar-aware:"):
                 config = {"inner": name.split(":", 1)[1], **config}
                 name = "grammar-aware"
@@ -379,6 +426,11 @@ class DSparkBudgetPlanner:
 
         self.cfg = DSparkScheduleConfig(gamma=self.gamma, max_verify_len=int(max_verify_len))
         self.cfg.validate()
+
+    @property
+    def reads_grammar(self) -> bool:
+        """Whether the scheduler uses the step's draft masks (``grammar-aware``)."""
+        return getattr(self.scheduler, "name", None) == "grammar-aware"
 
     @property
     def max_drafts(self) -> int:

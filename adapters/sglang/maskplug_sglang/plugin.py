@@ -43,7 +43,9 @@ def register() -> None:
 
     Raises:
         PluginError: SGLang lacks the grammar-backend registry (a version this
-            adapter does not know), with the version found.
+            adapter does not know), with the version found; or
+            ``MASKPLUG_SGLANG_DSPARK`` asks for the DSpark patches and SGLang
+            is not a tested release.
     """
     try:
         import sglang
@@ -70,3 +72,7 @@ def register() -> None:
     register_grammar_backend(BACKEND_NAME, create_backend)
     if BACKEND_NAME not in GRAMMAR_BACKEND_CHOICES:
         add_grammar_backend_choices([BACKEND_NAME])
+    from .patches import enabled_by_env, install
+
+    if enabled_by_env():
+        install()
