@@ -23,9 +23,8 @@ import pytest
 import torch
 from maskplug_vllm import step_rows
 from maskplug_vllm.v0_33 import fixed_step_rows
-from vllm.utils import torch_utils
 from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
-from vllm_release import V033, needs_v032, needs_v033, v033_kernel_mapping, v033_worker
+from vllm_release import V033, needs_v032, needs_v033, no_pinned_memory, v033_kernel_mapping, v033_worker
 
 import maskplug
 from maskplug import BudgetError, CostModel, ScheduledLayout
@@ -174,8 +173,7 @@ def test_device_offsets_match_vllm_reallocate_drafts(monkeypatch: pytest.MonkeyP
     whenever the allocation has no tie at its boundary (ties: see the difference test below)."""
     # The compiled variant only adds torch.compile around the same function.
     monkeypatch.setattr(av, "_assign_draft_token_budget_compiled", av._assign_draft_token_budget)
-    # vLLM 0.33's CUDA build stages host copies in pinned memory, which needs a CUDA device.
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+    no_pinned_memory(monkeypatch)
     rng = np.random.default_rng(3)
     checked = 0
     for _ in range(300):

@@ -41,18 +41,26 @@ class _Stream:
         pass
 
 
+def no_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33's CUDA build stages host copies in pinned memory, which needs a CUDA device: turn it off
+    in the modules that copy (vLLM 0.32's CPU build never pins)."""
+    from vllm.utils import torch_utils
+    from vllm.v1.structured_output import utils as so_utils
+    from vllm.v1.worker.gpu import structured_outputs as so_worker
+
+    for module in (torch_utils, so_utils, so_worker):
+        if hasattr(module, "PIN_MEMORY"):
+            monkeypatch.setattr(module, "PIN_MEMORY", False)
+
+
 @contextlib.contextmanager
 def cpu_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``torch.cuda.stream`` / ``current_stream`` as no-ops and no pinned host memory (vLLM 0.33's
     CUDA build assumes both), so vLLM's worker code runs on CPU tensors."""
-    from vllm.utils import torch_utils
-    from vllm.v1.worker.gpu import structured_outputs as so_worker
-
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
         m.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
-        m.setattr(torch_utils, "PIN_MEMORY", False)
-        m.setattr(so_worker, "PIN_MEMORY", False)
+        no_pinned_memory(m)
         yield
 
 
