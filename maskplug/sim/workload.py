@@ -13,13 +13,13 @@ serves exactly the same stream.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..data import load_schemas, schema_dir
 from ..errors import GrammarError
 from ..grammar import GrammarSpec
 from .regexgen import sample_regex
@@ -56,28 +56,8 @@ _ACCENTED = ("café", "naïve", "Zoë", "über", "año", "façade")
 
 
 def default_schema_dir() -> Path:
-    """``MASKPLUG_SCHEMAS``, else ``../shared/schemas`` next to the repository root."""
-    env = os.environ.get("MASKPLUG_SCHEMAS")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "schemas"
-
-
-def load_schemas(folder: Path | str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """Every ``*.json`` schema in ``folder`` as ``(name, schema)``, sorted by file name."""
-    path = Path(folder) if folder is not None else default_schema_dir()
-    files = sorted(path.glob("*.json")) if path.is_dir() else []
-    if not files:
-        raise GrammarError(
-            f"schemas: expected JSON schema files in {str(path)!r} (set MASKPLUG_SCHEMAS or --schemas), got none"
-        )
-    out = []
-    for f in files:
-        try:
-            out.append((f.stem, json.loads(f.read_text(encoding="utf-8"))))
-        except (OSError, ValueError) as exc:
-            raise GrammarError(f"schemas: expected valid JSON in {str(f)!r}, got {exc}") from exc
-    return out
+    """The schema folder the workload reads: :func:`maskplug.data.schema_dir`."""
+    return schema_dir()
 
 
 def _words(rng: np.random.Generator, lo: int, hi: int) -> str:
