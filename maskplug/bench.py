@@ -32,9 +32,9 @@ import torch
 from .baselines import PythonCost, python_step
 from .budget import CostModel, choose_budget
 from .compaction import compact
+from .console import Justify, Progress, render_table
 from .dispatch import apply_grammar_bitmask, resolve_backend
 from .layout import GrammarRows, ScheduledLayout
-from .sim.progress import Progress
 
 __all__ = ["BenchRow", "run_bench"]
 
@@ -166,9 +166,8 @@ def _draft_pair(
 
 
 def _draft_rows(tokenizer: str, requests: int, drafts: int, repeat: int) -> list[BenchRow]:
+    from .data import load_schemas, load_tokenizer
     from .grammar import GrammarSpec, grammar_provider, grammar_providers
-    from .sim.tokenizers import load_tokenizer
-    from .sim.workload import load_schemas
 
     tok = load_tokenizer(tokenizer)
     schemas = load_schemas()
@@ -231,8 +230,15 @@ def run_bench(quick: bool = False, as_json: bool = False, progress: bool = True)
     if as_json:
         print(json.dumps([{**r.__dict__, "ratio": round(r.ratio, 3)} for r in rows], indent=2))
         return 0
-    print(f"{'benchmark':<26}{'size':<18}{'maskplug µs':>13}  {'peer':<22}{'peer µs':>12}{'peer/maskplug':>15}")
-    for r in rows:
-        print(f"{r.bench:<26}{r.size:<18}{r.maskplug_us:>13,.1f}  {r.peer:<22}{r.peer_us:>12,.1f}{r.ratio:>15.2f}")
+    columns: list[tuple[str, Justify]] = [
+        ("benchmark", "left"),
+        ("size", "left"),
+        ("maskplug µs", "right"),
+        ("peer", "left"),
+        ("peer µs", "right"),
+        ("peer/maskplug", "right"),
+    ]
+    table = [[r.bench, r.size, f"{r.maskplug_us:,.1f}", r.peer, f"{r.peer_us:,.1f}", f"{r.ratio:.2f}"] for r in rows]
+    print(render_table(columns, table))
     print("\nmedian of repeats, same inputs, same run; peer/maskplug above 1 means maskplug is faster")
     return 0

@@ -40,15 +40,26 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"plugins": rows, "provides": provides}, indent=2))
     else:
-        w = max([len(r["name"]) for r in rows] + [6])
-        d = max([len(r["distribution"]) for r in rows] + [12])
-        print(f"{'plugin':<{w}}  {'distribution':<{d}}  {'version':<9}  hooks")
-        for r in rows:
-            hooks = ", ".join(h.removeprefix("maskplug_") for h in r["hooks"]) or "-"
-            line = f"{r['name']:<{w}}  {r['distribution']:<{d}}  {r['version']:<9}  {hooks}"
-            if r["error"]:
-                line += f"  FAILED: {r['error']}"
-            print(line)
+        from .console import Justify, render_table
+
+        table = [
+            [
+                r["name"],
+                r["distribution"],
+                str(r["version"]),
+                ", ".join(h.removeprefix("maskplug_") for h in r["hooks"]) or "-",
+                f"FAILED: {r['error']}" if r["error"] else "loaded",
+            ]
+            for r in rows
+        ]
+        columns: list[tuple[str, Justify]] = [
+            ("plugin", "left"),
+            ("distribution", "left"),
+            ("version", "left"),
+            ("hooks", "left"),
+            ("status", "left"),
+        ]
+        print(render_table(columns, table))
         print()
         for kind, names in provides.items():
             print(f"{kind}: {', '.join(names) or '(none)'}")
@@ -74,14 +85,20 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    for dev, info in out.items():
-        print(f"device {dev}: auto -> {info['auto'] or 'none'}")
+    from .console import render_table
+
+    for i, (dev, info) in enumerate(out.items()):
         backends = info["backends"]
         assert isinstance(backends, dict)
-        for name, why in backends.items():
-            if name == "auto":
-                continue
-            print(f"  {name:<10} {'available' if why is None else 'unavailable: ' + str(why)}")
+        if i:
+            print()
+        print(f"device {dev}: auto -> {info['auto'] or 'none'}")
+        table = [
+            [name, "available" if why is None else f"unavailable: {why}"]
+            for name, why in backends.items()
+            if name != "auto"
+        ]
+        print(render_table([("backend", "left"), ("status", "left")], table))
     return 0
 
 
@@ -187,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the requests, drafter and target (default 0)")
     p.add_argument("--tokenizer", choices=("tekken", "spm"), default="tekken", help="vocabulary (default tekken)")
-    p.add_argument("--schemas", default=None, help="folder of JSON schemas (default ../shared/schemas)")
+    p.add_argument(
+        "--schemas",
+        default=None,
+        help="folder of JSON schemas (default: the schemas shipped with maskplug, or $MASKPLUG_SCHEMAS)",
+    )
     p.add_argument(
         "--max-batch-tokens", type=int, default=None, help="engine tokens per step, 0 = no limit (default 192)"
     )

@@ -33,9 +33,9 @@ import torch
 from . import reference
 from .budget import CostModel, allocate, choose_budget
 from .compaction import active_cu_logits, compact
+from .console import Progress, render_table
 from .dispatch import apply_grammar_bitmask, backend_status
 from .layout import GrammarRows, ScheduledLayout
-from .sim.progress import Progress
 
 __all__ = ["CheckResult", "run_selftest"]
 
@@ -280,14 +280,17 @@ def run_selftest(seed: int = 0, cases: int = 40, as_json: bool = False, progress
             )
         )
     else:
-        for r in results:
-            extra = f"  ({r.detail})" if r.detail else ""
-            print(f"{r.status:<12}{r.name:<36}{r.cases:>5} cases{extra}")
-            for f in r.failures:
-                print(f"    {f}")
         print(
-            f"\n{'all checks passed' if not failed else f'{len(failed)} check(s) FAILED'} in {time.perf_counter() - t0:.1f} s"
+            render_table(
+                [("status", "left"), ("check", "left"), ("cases", "right"), ("detail", "left")],
+                [[r.status, r.name, str(r.cases), r.detail] for r in results],
+            )
         )
+        for r in results:
+            for f in r.failures:
+                print(f"  {r.name}: {f}")
+        verdict = "all checks passed" if not failed else f"{len(failed)} check(s) FAILED"
+        print(f"\n{verdict} in {time.perf_counter() - t0:.1f} s")
     return 1 if failed else 0
 
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from ..console import Progress
 from ..errors import BackendUnavailable
 from .engine import DEFAULT_SCHEDULERS, SimConfig
-from .progress import Progress
 from .run import DemoReport, run_demo
 
 __all__ = ["SWEEP_CONCURRENCY", "plot_demo", "sweep"]

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..budget import CostModel
+from ..console import Justify, Progress, render_table
 from ..dispatch import resolve_backend
 from ..grammar import grammar_provider
 from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model
 from .models import TargetModel, structural_tokens
-from .progress import Progress
 from .tokenizers import load_tokenizer
 
 __all__ = ["DemoReport", "format_json", "format_table", "run_demo"]
@@ -88,19 +88,41 @@ def format_json(report: DemoReport, timing: bool = True) -> str:
 def format_table(report: DemoReport) -> str:
     """The human-readable results table and its legend."""
     cfg = report.config
-    head = (
-        f"{'scheduler':<22}{'tok/step':>9}{'acc.len':>8}{'full':>6}{'part':>6}{'zero':>6}"
-        f"{'goodput tok/s':>15}{'valid':>7}{'invalid':>8}{'cut-off':>8}{'host µs/step':>13}{'apply ms/step':>14}"
-    )
-    lines = [head, "-" * len(head)]
+    columns: list[tuple[str, Justify]] = [
+        ("scheduler", "left"),
+        ("tok/step", "right"),
+        ("acc.len", "right"),
+        ("full", "right"),
+        ("part", "right"),
+        ("zero", "right"),
+        ("goodput tok/s", "right"),
+        ("valid", "right"),
+        ("invalid", "right"),
+        ("cut-off", "right"),
+        ("host µs/step", "right"),
+        ("apply ms/step", "right"),
+    ]
+    rows = []
     for name, r in report.results.items():
         s = max(r.steps, 1)
-        pct = {k: 100.0 * v / s for k, v in r.regimes.items()}
-        lines.append(
-            f"{name:<22}{r.tokens_per_step:>9.2f}{r.accepted_length:>8.2f}{pct['full']:>5.0f}%{pct['partial']:>5.0f}%"
-            f"{pct['zero']:>5.0f}%{r.goodput:>15,.0f}{r.valid:>7}{r.invalid:>8}{r.cut_off:>8}"
-            f"{1e6 * r.host_s / s:>13,.0f}{1e3 * r.apply_s / s:>14.2f}"
+        pct = {k: f"{100.0 * v / s:.0f}%" for k, v in r.regimes.items()}
+        rows.append(
+            [
+                name,
+                f"{r.tokens_per_step:.2f}",
+                f"{r.accepted_length:.2f}",
+                pct["full"],
+                pct["partial"],
+                pct["zero"],
+                f"{r.goodput:,.0f}",
+                str(r.valid),
+                str(r.invalid),
+                str(r.cut_off),
+                f"{1e6 * r.host_s / s:,.0f}",
+                f"{1e3 * r.apply_s / s:.2f}",
+            ]
         )
+    lines = [render_table(columns, rows)]
     checks = sum(len(r.violations) for r in report.results.values())
     lines += [
         "",
@@ -108,7 +130,8 @@ def format_table(report: DemoReport) -> str:
         f"{cfg.tokenizer} vocabulary, {cfg.provider} grammars, {report.backend} kernel, seed {cfg.seed}; "
         f"set-up {report.setup_s:.1f} s, runs {report.run_s:.1f} s",
         "tok/step: tokens emitted per engine step; acc.len: tokens per decoding request per step (accepted drafts + 1);",
-        "full/part/zero: steps whose verify budget kept every scheduled draft / some / none (bonus rows only);",
+        "full/part/zero: steps whose verify budget kept every scheduled draft (or had none to trim) / some / none",
+        "(bonus rows only), as maskplug.compaction.regime_of classifies them;",
         "goodput: emitted tokens per simulated second under the cost model; cut-off: outputs stopped by their token",
         "limit (never counted valid); host µs/step: maskplug's host path (draft masks, budget, allocation, compaction,",
         "commit); apply: the mask kernel on this CPU.",

@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from maskplug import GrammarError
+from maskplug.console import Progress
+from maskplug.data import load_schemas, load_tokenizer
 from maskplug.sim.models import hash64, uniform
-from maskplug.sim.progress import Progress
 from maskplug.sim.regexgen import sample_regex
-from maskplug.sim.tokenizers import load_tokenizer
-from maskplug.sim.workload import REGEXES, WorkloadMix, load_schemas, make_request, sample_instance
+from maskplug.sim.workload import REGEXES, WorkloadMix, make_request, sample_instance
 
 SCHEMAS = load_schemas()
 
@@ -85,10 +85,30 @@ def test_progress_without_terminal_prints_tenths() -> None:
     buf = io.StringIO()
     bar = Progress(50, "demo", stream=buf)
     for i in range(1, 51):
-        bar.update(i)
+        bar.update(i, "dspark: 3 [valid]")
     bar.close()
     lines = buf.getvalue().splitlines()
-    assert 1 <= len(lines) <= 11 and lines[-1].startswith("demo [") and "50/50" in lines[-1]
+    assert 1 <= len(lines) <= 11
+    assert lines[-1].startswith("demo ") and "50/50" in lines[-1] and "dspark: 3 [valid]" in lines[-1]
+    assert "\x1b" not in buf.getvalue()  # no terminal control codes in a log
     quiet = io.StringIO()
     Progress(5, "x", stream=quiet, enabled=False).update(5)
     assert quiet.getvalue() == ""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_redraws_in_place() -> None:
+    term = _Terminal()
+    bar = Progress(4, "selftest", stream=term)
+    for i in range(1, 5):
+        bar.update(i, "kernel torch")
+    bar.close()
+    out = term.getvalue()
+    # The line is redrawn in place (carriage return, erase line), not appended.
+    assert "\r\x1b[2K" in out
+    last = out.rsplit("\r\x1b[2K", 1)[1]
+    assert "4/4" in last and "selftest" in last and "kernel torch" in last and "\n" in last
