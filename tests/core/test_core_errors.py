@@ -142,11 +142,11 @@ OTHER_CASES: list[tuple[str, Callable[[], Any], type[mp.MaskplugError], str]] = 
     ("layout-lengths-disagree", lambda: mp.ScheduledLayout([1, 2], [1, 1, 1], [1, 1]), mp.LayoutError, "num_drafts"),
     ("layout-negative-drafts", lambda: mp.ScheduledLayout([1, 2], [1, -1], [1, 1]), mp.LayoutError, "num_drafts"),
     ("layout-negative-non-draft", lambda: mp.ScheduledLayout([1, 2], [1, 1], [-3, 1]), mp.LayoutError, "num_non_draft"),
-    ("layout-fractional-drafts", lambda: mp.ScheduledLayout([1, 2], [1.5, 1], [1, 1]), mp.LayoutError, "num_drafts"),
+    ("layout-fractional-drafts", lambda: mp.ScheduledLayout([1, 2], [1.5, 1], [1, 1]), mp.LayoutError, "num_drafts"),  # type: ignore[list-item]
     ("layout-duplicate-ids", lambda: mp.ScheduledLayout(["x", "y", "x"], [1, 1, 1], [1, 1, 1]), mp.LayoutError, "req_ids"),
     ("layout-2d-ids", lambda: mp.ScheduledLayout([[1, 2]], [1, 1], [1, 1]), mp.LayoutError, "req_ids"),
     ("layout-negative-bonus", lambda: mp.ScheduledLayout([1], [1], [1], num_bonus=-1), mp.LayoutError, "num_bonus"),
-    ("layout-counts-on-foreign-device", lambda: mp.ScheduledLayout([1], torch.ones(1, dtype=torch.int64, device=META), [1]), mp.LayoutError, "num_drafts"),
+    ("layout-counts-on-foreign-device", lambda: mp.ScheduledLayout([1], torch.ones(1, dtype=torch.int64, device=META), [1]), mp.LayoutError, "num_drafts"),  # type: ignore[arg-type]
     ("layout-unknown-id", lambda: _layout().index_of(99), mp.LayoutError, "req_ids"),
     # GrammarRows and RowMapping
     ("grammar-unknown-request", lambda: mp.GrammarRows([10, 13]).mapping(_layout()), mp.LayoutError, "grammar_req_ids"),
@@ -160,7 +160,7 @@ OTHER_CASES: list[tuple[str, Callable[[], Any], type[mp.MaskplugError], str]] = 
     # compact and active_cu_logits
     ("compact-budget-above-drafts", lambda: mp.compact(_layout(), 6), mp.BudgetError, "budget"),
     ("compact-negative-budget", lambda: mp.compact(_layout(), -1), mp.BudgetError, "budget"),
-    ("compact-float-budget", lambda: mp.compact(_layout(), 2.0), mp.BudgetError, "budget"),
+    ("compact-float-budget", lambda: mp.compact(_layout(), 2.0), mp.BudgetError, "budget"),  # type: ignore[arg-type]
     ("compact-capacity-wrong-sum", lambda: mp.compact(_layout(), 3, capacity=[1, 0, 1]), mp.BudgetError, "capacity"),
     ("compact-capacity-above-drafts", lambda: mp.compact(_layout(), 3, capacity=[3, 0, 0]), mp.BudgetError, "capacity"),
     ("compact-capacity-wrong-length", lambda: mp.compact(_layout(), 3, capacity=[1, 2]), mp.BudgetError, "capacity"),
@@ -183,17 +183,17 @@ OTHER_CASES: list[tuple[str, Callable[[], Any], type[mp.MaskplugError], str]] = 
     ("allocate-num-drafts-above-columns", lambda: mp.allocate(torch.ones(3, 2), [1, 3, 1], 1), mp.BudgetError, "num_drafts"),
     ("allocate-budget-above-drafts", lambda: mp.allocate(torch.ones(3, 2), [1, 2, 1], 5), mp.BudgetError, "budget"),
     ("allocate-negative-budget", lambda: mp.allocate(torch.ones(3, 2), [1, 2, 1], -1), mp.BudgetError, "budget"),
-    ("allocate-float-budget", lambda: mp.allocate(torch.ones(3, 2), [1, 2, 1], 1.0), mp.BudgetError, "budget"),
+    ("allocate-float-budget", lambda: mp.allocate(torch.ones(3, 2), [1, 2, 1], 1.0), mp.BudgetError, "budget"),  # type: ignore[arg-type]
     ("allocate-num-drafts-on-foreign-device", lambda: mp.allocate(torch.ones(3, 2), torch.ones(3, dtype=torch.int64, device=META), 1), mp.BudgetError, "num_drafts"),
     ("allocate-float-num-drafts-tensor", lambda: mp.allocate(torch.ones(3, 2), torch.ones(3), 1), mp.BudgetError, "num_drafts"),
     # CostModel
-    ("cost-curve-not-pairs", lambda: mp.CostModel.from_curves([(1, 1.0)], [1.0, 2.0], 8, 8), mp.BudgetError, "verify_curve"),
+    ("cost-curve-not-pairs", lambda: mp.CostModel.from_curves([(1, 1.0)], [1.0, 2.0], 8, 8), mp.BudgetError, "verify_curve"),  # type: ignore[list-item]
     ("cost-curve-empty", lambda: mp.CostModel.from_curves([], [(1, 1.0)], 8, 8), mp.BudgetError, "draft_curve"),
     ("cost-curve-duplicate-sizes", lambda: mp.CostModel.from_curves([(1, 1.0), (1, 2.0)], [(1, 1.0)], 8, 8), mp.BudgetError, "draft_curve"),
     ("cost-curve-negative-time", lambda: mp.CostModel.from_curves([(1, 1.0)], [(1, -1.0)], 8, 8), mp.BudgetError, "verify_curve"),
     ("cost-curve-nan", lambda: mp.CostModel.from_curves([(1, 1.0)], [(1, float("nan"))], 8, 8), mp.BudgetError, "verify_curve"),
     ("cost-negative-max-tokens", lambda: mp.CostModel.from_curves([(1, 1.0)], [(1, 1.0)], 8, -8), mp.BudgetError, "max_tokens"),
-    ("cost-fractional-graph-limit", lambda: mp.CostModel.from_curves([(1, 1.0)], [(1, 1.0)], 8, 8, graph_limit=1.5), mp.BudgetError, "graph_limit"),
+    ("cost-fractional-graph-limit", lambda: mp.CostModel.from_curves([(1, 1.0)], [(1, 1.0)], 8, 8, graph_limit=1.5), mp.BudgetError, "graph_limit"),  # type: ignore[arg-type]
     ("cost-linear-negative-slope", lambda: mp.CostModel.linear(verify_per_token_ms=-0.1), mp.BudgetError, "verify_per_token_ms"),
     ("cost-linear-all-zero", lambda: mp.CostModel.linear(0, 0, 0, 0), mp.BudgetError, "CostModel.linear"),
 ]  # fmt: skip

@@ -11,6 +11,7 @@ and infinities count bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,11 @@ from maskplug.kernels.torch_backend import TorchBackend
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
-NP_BITS = {torch.float32: np.int32, torch.float16: np.int16, torch.bfloat16: np.int16}
+NP_BITS: dict[torch.dtype, type[np.signedinteger[Any]]] = {
+    torch.float32: np.int32,
+    torch.float16: np.int16,
+    torch.bfloat16: np.int16,
+}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,8 +78,8 @@ def batches(draw: st.DrawFn, max_n: int = 256, max_drafts: int = 16) -> Batch:
         num_bonus=num_bonus,
     )
     # A random subset of requests has a grammar, visited in a shuffled order.
-    frac = draw(st.sampled_from([0.0, 0.3, 1.0, "random"]))
-    p = rng.random() if frac == "random" else frac
+    frac = draw(st.sampled_from([0.0, 0.3, 1.0, None]))  # None: a random fraction
+    p = rng.random() if frac is None else frac
     chosen = [ids[i] for i in rng.permutation(n) if rng.random() < p]
     if draw(st.booleans()):
         need = max((int(num_drafts[layout.index_of(r)]) + num_bonus for r in chosen), default=1)
@@ -91,7 +96,7 @@ def _random_capacity(rng: np.random.Generator, num_drafts: np.ndarray, budget: i
     return np.bincount(slots[picked], minlength=num_drafts.shape[0]).astype(np.int64)
 
 
-def _budget(draw: st.DrawFn, layout: mp.ScheduledLayout) -> int:
+def _budget(draw: Callable[[st.SearchStrategy[Any]], Any], layout: mp.ScheduledLayout) -> int:
     total = layout.total_drafts
     regime = draw(st.sampled_from(["zero", "partial", "full", "any"]))
     if regime == "zero" or total == 0:
@@ -126,8 +131,9 @@ def apply_cases(draw: st.DrawFn) -> dict[str, Any]:
 
     width = draw(st.integers(1, 300))
     if draw(st.booleans()):
-        vocab_size: int | None = draw(st.integers(1, width))
-        words = (vocab_size + 31) // 32 + draw(st.integers(0, 2))
+        grammar_vocab = draw(st.integers(1, width))
+        vocab_size: int | None = grammar_vocab
+        words = (grammar_vocab + 31) // 32 + draw(st.integers(0, 2))
     else:
         vocab_size = None
         words = (width + 31) // 32 + draw(st.integers(0, 2))
@@ -143,11 +149,12 @@ def apply_cases(draw: st.DrawFn) -> dict[str, Any]:
     dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
     pad = draw(st.sampled_from([0, 0, 5, 37]))
     off = draw(st.integers(0, pad))
-    raw = rng.integers(np.iinfo(NP_BITS[dtype]).min, np.iinfo(NP_BITS[dtype]).max, size=(num_logits, width + pad))
+    info = np.iinfo(NP_BITS[dtype])
+    raw = rng.integers(info.min, info.max, size=(num_logits, width + pad))
     if draw(st.booleans()):
         # Mostly ordinary values; raw bit patterns (NaNs, infinities, subnormals) otherwise.
-        raw = torch.randn(num_logits, width + pad, generator=torch.Generator().manual_seed(int(rng.integers(2**31))))
-        wide = raw.to(dtype)
+        normal = torch.randn(num_logits, width + pad, generator=torch.Generator().manual_seed(int(rng.integers(2**31))))
+        wide = normal.to(dtype)
     else:
         wide = torch.from_numpy(raw.astype(NP_BITS[dtype])).view(dtype)
     logits = wide[:, off : off + width]  # row stride > width when pad > 0
@@ -171,6 +178,19 @@ def apply_cases(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def _apply_torch(logits: torch.Tensor, case: dict[str, Any]) -> None:
+    """``apply_grammar_bitmask`` with the torch backend on ``logits`` and the rest of ``case``."""
+    mp.apply_grammar_bitmask(
+        logits,
+        case["bitmask"],
+        case["mapping"],
+        case["cu"],
+        vocab_size=case["vocab_size"],
+        tail=case["tail"],
+        backend="torch",
+    )
+
+
 @given(apply_cases())
 def test_torch_backend_matches_reference(case: dict[str, Any]) -> None:
     logits = case["logits"]
@@ -179,29 +199,13 @@ def test_torch_backend_matches_reference(case: dict[str, Any]) -> None:
         expected, case["bitmask"], case["mapping"], case["cu"], vocab_size=case["vocab_size"], tail=case["tail"]
     )
     got = logits.clone()
-    mp.apply_grammar_bitmask(
-        got,
-        case["bitmask"],
-        case["mapping"],
-        case["cu"],
-        vocab_size=case["vocab_size"],
-        tail=case["tail"],
-        backend="torch",
-    )
+    _apply_torch(got, case)
     assert torch.equal(bits(got), bits(expected))
     # In place on the strided view: columns outside the view are untouched.
     strided = logits.clone() if logits.is_contiguous() else logits
     base = strided._base if strided._base is not None else strided
     base_before = base.clone()
-    mp.apply_grammar_bitmask(
-        strided,
-        case["bitmask"],
-        case["mapping"],
-        case["cu"],
-        vocab_size=case["vocab_size"],
-        tail=case["tail"],
-        backend="torch",
-    )
+    _apply_torch(strided, case)
     assert torch.equal(bits(strided), bits(expected))
     if base is not strided:
         outside = torch.ones(base.shape, dtype=torch.bool)
