@@ -1,20 +1,20 @@
-"""Documents that satisfy the shared JSON schemas are accepted by every provider, token by token.
+"""Documents that satisfy the bundled JSON schemas are accepted by every provider, token by token.
 
-For each schema in ``../shared/schemas/`` (beside the repository), documents
-are generated from the schema itself (validated with ``jsonschema``), tokenised
-over the real 32k SentencePiece vocabulary, and fed to every provider that
-supports ``json_schema``: before each token the mask is filled and must allow
-it, ``accept`` must take it, and at the end the stop token must be allowed and
-accepted. Walking a document back with ``rollback`` must give the same masks.
+For each schema the simulator serves (:func:`maskplug.sim.workload.load_schemas`),
+documents are drawn with the simulator's own instance sampler
+(:func:`maskplug.sim.workload.sample_instance`, validated here with
+``jsonschema``), tokenised over the real 32k SentencePiece vocabulary, and fed
+to every provider that supports ``json_schema``: before each token the mask is
+filled and must allow it, ``accept`` must take it, and at the end the stop
+token must be allowed and accepted. Walking a document back with ``rollback``
+must give the same masks. Strings with characters JSON must escape are fed
+the same way from fixed documents.
 """
 
 from __future__ import annotations
 
 import json
-import random
-import string
 import zlib
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -23,117 +23,24 @@ import pytest
 import torch
 
 from maskplug.grammar import GrammarSpec, Vocab, grammar_provider, grammar_providers, mistral_sentencepiece
+from maskplug.sim.workload import load_schemas, sample_instance
 
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "schemas"
-SCHEMAS = sorted(SCHEMA_DIR.glob("*.json"))
+SCHEMAS = dict(load_schemas())
 PROVIDERS = ("xgrammar", "outlines-core", "llguidance")
 DOCS_PER_SCHEMA = 3
 
 
 def test_schemas_are_found() -> None:
-    assert len(SCHEMAS) >= 10, f"expected the shared schemas in {SCHEMA_DIR}, got {len(SCHEMAS)}"
+    assert len(SCHEMAS) >= 10, f"expected the bundled schemas, got {sorted(SCHEMAS)}"
     assert set(PROVIDERS) <= set(grammar_providers())
 
 
-# --------------------------------------------------------------------------
-# A document generator driven by the schema
-# --------------------------------------------------------------------------
-
-# Free text: letters, digits, punctuation, spaces, non-ASCII and characters
-# JSON must escape (quote, backslash, newline, tab).
-_PLAIN = string.ascii_letters + string.digits + " .,:;-_/'!?" + "éüß日本語€"
-_TEXT = _PLAIN + '"\\\n\t'
-
-
-def _sample_regex(pattern: str, rng: random.Random) -> str:
-    """A string matching a simple anchored pattern: literals, escapes, [classes] and {m}, {m,n}, + quantifiers."""
-    body = pattern.removeprefix("^").removesuffix("$")
-    atoms: list[list[str]] = []  # each atom: the characters it may produce
-    reps: list[tuple[int, int]] = []
-    i = 0
-    while i < len(body):
-        c = body[i]
-        if c == "[":
-            j = body.index("]", i)
-            cls, chars, k = body[i + 1 : j], [], 0
-            while k < len(cls):
-                if k + 2 < len(cls) and cls[k + 1] == "-":
-                    chars += [chr(x) for x in range(ord(cls[k]), ord(cls[k + 2]) + 1)]
-                    k += 3
-                else:
-                    chars.append(cls[k])
-                    k += 1
-            atoms.append(chars)
-            i = j + 1
-        elif c == "\\":
-            atoms.append([body[i + 1]])
-            i += 2
-        elif c in "{+":
-            if c == "+":
-                reps[-1] = (1, 4)
-                i += 1
-            else:
-                j = body.index("}", i)
-                lo, _, hi = body[i + 1 : j].partition(",")
-                reps[-1] = (int(lo), int(hi) if hi else int(lo))
-                i = j + 1
-            continue
-        else:
-            atoms.append([c])
-            i += 1
-        reps.append((1, 1))
-    return "".join(rng.choice(a) for a, (lo, hi) in zip(atoms, reps, strict=True) for _ in range(rng.randint(lo, hi)))
-
-
-def generate(schema: dict[str, Any], rng: random.Random) -> Any:
-    """A random instance of ``schema`` (the subset of JSON Schema the shared schemas use)."""
-    if "const" in schema:
-        return schema["const"]
-    if "enum" in schema:
-        return rng.choice(schema["enum"])
-    if "anyOf" in schema:
-        return generate(rng.choice(schema["anyOf"]), rng)
-    kind = schema.get("type")
-    if kind == "object":
-        required = set(schema.get("required", []))
-        # Properties in schema order: xgrammar and outlines-core expect it.
-        return {
-            k: generate(sub, rng)
-            for k, sub in schema.get("properties", {}).items()
-            if k in required or rng.random() < 0.6
-        }
-    if kind == "array":
-        lo = schema.get("minItems", 0)
-        hi = min(schema.get("maxItems", lo + 3), lo + 3)
-        return [generate(schema["items"], rng) for _ in range(rng.randint(lo, hi))]
-    if kind == "string":
-        if "pattern" in schema:
-            return _sample_regex(schema["pattern"], rng)
-        lo = schema.get("minLength", 0)
-        hi = min(schema.get("maxLength", 24), 24)
-        # xgrammar takes no escape sequences in length-bounded strings (see
-        # test_named_difference_xgrammar_bounded_strings): plain text there.
-        bounded = "minLength" in schema or "maxLength" in schema
-        alphabet = _PLAIN if bounded else _TEXT
-        return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, max(lo, hi))))
-    if kind == "integer":
-        return rng.randint(schema.get("minimum", -1000), schema.get("maximum", 100000))
-    if kind == "number":
-        lo, hi = schema.get("minimum", -1000.0), schema.get("maximum", 1000.0)
-        return round(rng.uniform(lo, hi), rng.choice([0, 1, 2]))
-    if kind == "boolean":
-        return rng.random() < 0.5
-    if kind == "null":
-        return None
-    raise AssertionError(f"the generator does not know {schema!r}")
-
-
 def documents(schema: dict[str, Any], seed: int, count: int) -> list[str]:
-    """``count`` serialised instances, each validated against the schema."""
-    rng = random.Random(seed)
+    """``count`` serialised instances from the simulator's sampler, each validated against the schema."""
+    rng = np.random.default_rng(seed)
     out = []
     for k in range(count):
-        doc = generate(schema, rng)
+        doc = sample_instance(schema, rng)
         jsonschema.validate(doc, schema)
         # Compact separators in every other document, the common ", "/": " in the rest;
         # raw UTF-8 (outlines-core's JSON strings take no \\u escapes).
@@ -142,10 +49,11 @@ def documents(schema: dict[str, Any], seed: int, count: int) -> list[str]:
     return out
 
 
-def test_generator_is_valid_for_every_schema() -> None:
-    for path in SCHEMAS:
-        schema = json.loads(path.read_text())
-        for text in documents(schema, 1, 20):
+def test_sampled_documents_are_valid_for_every_schema() -> None:
+    for name, schema in SCHEMAS.items():
+        texts = documents(schema, 1, 20)
+        assert len(set(texts)) > 1, f"{name}: the sampler gave one document twenty times"
+        for text in texts:
             jsonschema.validate(json.loads(text), schema)
 
 
@@ -166,12 +74,41 @@ def tokenize(vocab: Vocab, text: str) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("path", SCHEMAS, ids=[p.stem for p in SCHEMAS])
-def test_generated_documents_accepted_token_by_token(path: Path) -> None:
+@pytest.mark.parametrize("schema_name", sorted(SCHEMAS))
+def test_generated_documents_accepted_token_by_token(schema_name: str) -> None:
+    schema = SCHEMAS[schema_name]
+    _feed(schema, documents(schema, seed=zlib.crc32(schema_name.encode()), count=DOCS_PER_SCHEMA))
+
+
+# Unbounded strings: quotes, backslashes, control characters and non-ASCII text
+# (escaped as JSON writes them), which the sampler's word lists never produce.
+ESCAPES_SCHEMA = {
+    "type": "object",
+    "properties": {"note": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["note", "tags"],
+}
+ESCAPED_VALUES = [
+    {"note": 'say "hi"', "tags": ["a\\b", "tab\there"]},
+    {"note": "line one\nline two\r\n", "tags": []},
+    {"note": "café 日本語 €", "tags": ["naïve", '"', "\\"]},
+    {"note": "", "tags": ["/", 'a \\ b " c']},
+]
+
+
+def test_strings_with_escapes_accepted_token_by_token() -> None:
+    docs = []
+    for k, value in enumerate(ESCAPED_VALUES):
+        jsonschema.validate(value, ESCAPES_SCHEMA)
+        seps = (",", ":") if k % 2 == 0 else (", ", ": ")
+        docs.append(json.dumps(value, ensure_ascii=False, separators=seps))
+    assert any("\\" in d for d in docs) and any('\\"' in d for d in docs) and any("\\n" in d for d in docs)
+    _feed(ESCAPES_SCHEMA, docs)
+
+
+def _feed(schema: dict[str, Any], docs: list[str]) -> None:
+    """Every provider takes every document token by token, allows the stop after it, and walks back."""
     vocab = mistral_sentencepiece()
-    schema = json.loads(path.read_text())
     spec = GrammarSpec("json_schema", schema)
-    docs = documents(schema, seed=zlib.crc32(path.stem.encode()), count=DOCS_PER_SCHEMA)
     for name in PROVIDERS:
         provider = grammar_provider(name, vocab)
         assert provider.supports("json_schema")
@@ -201,7 +138,7 @@ def test_generated_documents_accepted_token_by_token(path: Path) -> None:
 def test_a_schema_violation_is_refused_by_every_provider() -> None:
     """The other side: a document breaking the schema stops at the first offending token."""
     vocab = mistral_sentencepiece()
-    schema = json.loads((SCHEMA_DIR / "address.json").read_text())
+    schema = SCHEMAS["address"]
     good = '{"street":"Main St 1","city":"Paris","postal_code":"75001","country":"FR"}'
     bad = good.replace("75001", "7500x")
     ids = tokenize(vocab, bad)
@@ -224,8 +161,8 @@ def test_named_difference_xgrammar_bounded_strings() -> None:
     """Measured: xgrammar refuses JSON escapes inside strings with minLength/maxLength; the others take them.
 
     The language allows ``"a\\nb\\"c"`` (five characters) under ``maxLength: 5``.
-    If this starts failing because xgrammar accepts it, the generator above
-    can put escapes into bounded strings again.
+    If this starts failing because xgrammar accepts it, the escapes test
+    above can put its strings under length bounds too.
     """
     vocab = mistral_sentencepiece()
     text = '"a\\nb\\"c"'

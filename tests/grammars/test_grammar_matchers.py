@@ -15,10 +15,16 @@ import torch
 from grammar_testkit import PROVIDERS, REGEXES, allowed_ids, compiled, disallowed_token, random_walk, state_of, vocab
 
 from maskplug import GrammarError, GrammarSpec, Vocab, grammar_provider
-from maskplug.grammar import SPEC_KINDS, MatcherBase, ProviderBase
+from maskplug.grammar import SPEC_KINDS, Matcher, MatcherBase, ProviderBase
 
 pytestmark = pytest.mark.skipif(not PROVIDERS, reason="no grammar provider is installed")
 params = pytest.mark.parametrize("provider", PROVIDERS)
+
+
+def _row(m: Matcher, v: Vocab) -> torch.Tensor:
+    bm = v.new_bitmask(1)
+    m.fill(bm, 0)
+    return bm[0]
 
 
 def _tokens_spelling(v: Vocab, text: bytes) -> int:
@@ -170,16 +176,36 @@ def test_fork_and_reset(provider: str) -> None:
     for t in walk[:2]:
         assert m.accept(t)
     mid = state_of(m, v, walk[2:])
-    try:
-        twin = m.fork()
-    except (NotImplementedError, GrammarError):
-        twin = None
-    if twin is not None:
-        for t in walk[2:]:
-            assert twin.accept(t)
-        assert state_of(m, v, walk[2:]) == mid
+    twin = m.fork()
+    assert twin is not m and state_of(twin, v, walk[2:]) == mid  # the same state
+    for t in walk[2:]:
+        assert twin.accept(t)
+    assert state_of(m, v, walk[2:]) == mid  # advancing the twin leaves the original alone
+    twin.rollback(len(walk[2:]))
+    assert state_of(twin, v, walk[2:]) == mid
     m.reset()
     assert state_of(m, v, walk) == start
+    assert state_of(twin, v, walk[2:]) == mid  # and resetting the original leaves the twin alone
+
+
+@params
+def test_fork_keeps_termination_and_rollback_undoes_it_separately(provider: str) -> None:
+    v = vocab("spm")
+    m = compiled(provider, "spm", GrammarSpec("regex", r"ab(cd)?")).matcher()
+    for ch in b"ab":
+        assert m.accept(_tokens_spelling(v, bytes([ch])))
+    eos = v.eos_ids[0]
+    assert m.accept(eos)
+    twin = m.fork()
+    assert twin.is_terminated()
+    twin.rollback(1)
+    assert not twin.is_terminated() and m.is_terminated()
+    assert eos in allowed_ids(_row(twin, v), v.vocab_size)  # "ab" is complete: the stop is allowed again
+    twin.rollback(2)  # back to the start, where the stop is refused
+    assert twin.validate([eos]) == 0
+    assert allowed_ids(_row(m, v), v.vocab_size).tolist() == [eos]
+    m.reset()
+    assert not m.is_terminated() and not twin.is_terminated() and twin.validate([eos]) == 0
 
 
 @params

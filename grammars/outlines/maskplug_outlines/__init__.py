@@ -7,6 +7,6 @@ through the ``maskplug`` entry-point group; use it with
 
 from __future__ import annotations
 
-from .provider import OutlinesGrammar, OutlinesMatcher, OutlinesProvider
+from .provider import OutlinesBatchOps, OutlinesGrammar, OutlinesMatcher, OutlinesProvider
 
-__all__ = ["OutlinesGrammar", "OutlinesMatcher", "OutlinesProvider"]
+__all__ = ["OutlinesBatchOps", "OutlinesGrammar", "OutlinesMatcher", "OutlinesProvider"]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import llguidance
@@ -15,9 +13,10 @@ from maskplug_llguidance import LLGuidanceMatcher, LLGuidanceProvider
 
 from maskplug import GrammarError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers, mistral_sentencepiece
+from maskplug.sim.workload import load_schemas
 
 NAME = "llguidance"
-SCHEMA_DIR = Path(__file__).resolve().parents[2] / ".." / "shared" / "schemas"
+SCHEMAS = dict(load_schemas())
 
 
 def test_registered_with_every_kind() -> None:
@@ -135,7 +134,7 @@ def test_engine_refusal_after_a_mask_allowed_token_is_recovered() -> None:
 def test_accept_agrees_with_the_canonical_mask() -> None:
     """llguidance's mask keeps forced text canonical while its consume_token takes other spellings."""
     v = mistral_sentencepiece()
-    schema = json.loads((SCHEMA_DIR / "weather_tool_call.json").read_text())
+    schema = SCHEMAS["weather_tool_call"]
     g = grammar_provider(NAME, v).compile(GrammarSpec("json_schema", schema))
     tok = g.provider.tokenizer
     prefix = tok.tokenize_str('{"name":"')
@@ -223,7 +222,7 @@ def test_batch_fill_matches_one_by_one() -> None:
     v = mistral_sentencepiece()
     p = grammar_provider(NAME, v)
     tok = p.tokenizer
-    schema = json.loads((SCHEMA_DIR / "order.json").read_text())
+    schema = SCHEMAS["order"]
     doc = '{"order_id":"ORD-123456","items":[{"sku":"a b","qty":3,"price":9.5}],"paid":true,"currency":"EUR"}'
     ids = tok.tokenize_str(doc)
     specs = [GrammarSpec("json_schema", schema), GrammarSpec("regex", "[a-z]+( [a-z]+)*"), GrammarSpec("json_object")]
@@ -266,7 +265,7 @@ def test_batch_accept_and_rollback_match_one_by_one() -> None:
     """The executor's parallel consume gives the results and states of each matcher's own accept."""
     v = mistral_sentencepiece()
     p = grammar_provider(NAME, v)
-    schema = json.loads((SCHEMA_DIR / "order.json").read_text())
+    schema = SCHEMAS["order"]
     doc = '{"order_id":"ORD-123456","items":[{"sku":"a b","qty":3,"price":9.5}],"paid":true,"currency":"EUR"}'
     ids = p.tokenizer.tokenize_str(doc)
     g = p.compile(GrammarSpec("json_schema", schema))
