@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens", type=int, default=None, help="engine tokens per step, 0 = no limit (default 192)"
     )
     p.add_argument("--squeeze-every", type=int, default=0, help="every N-th step has room for bonus rows only")
-    p.add_argument("--json", action="store_true", help="print one JSON object (DESIGN section 7)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (fields: docs/design.md, section 9)")
     p.add_argument(
         "--no-timing",
         action="store_true",

@@ -11,7 +11,8 @@ does, calling maskplug for every part that maskplug owns:
 4. choose the verify budget (the scheduler, on two-step-old confidences from
    :class:`maskplug.confidence.ConfidenceHistory`) and allocate it on the live
    confidences (:func:`maskplug.allocate`, or
-   :func:`maskplug.schedulers.allocate_step` for grammar-aware schedulers);
+   :func:`maskplug.schedulers.allocate_step` for schedulers that read the
+   draft masks, those whose ``uses_grammar`` is true);
 5. compact (:func:`maskplug.compact`, :func:`maskplug.active_cu_logits`),
    build the target's logits for the live rows only and apply the masks
    (:func:`maskplug.apply_grammar_bitmask` with the mapping from the
@@ -19,6 +20,12 @@ does, calling maskplug for every part that maskplug owns:
 6. verify, greedy or by rejection sampling, on the masked compacted logits;
 7. commit the emitted tokens (:func:`maskplug.commit`), retire finished
    requests and validate their outputs.
+
+Each stage is one method of :class:`Simulation` (``_admit``, ``_draft``,
+``_fill_masks``, ``_choose_budget``, ``_masked_logits``, ``_verify``,
+``_commit`` and ``_retire``), passing small records (``_Batch``, ``_Masks``,
+``_Budget``, ``_Rows``) from one to the next. A step's budget regime is
+:func:`maskplug.compaction.regime_of`'s: a step without drafts is ``"full"``.
 
 Every step is checked: the layout invariants (mapping length, capacity a
 per-request prefix summing to the budget, device offsets against the host
@@ -42,16 +49,17 @@ import torch
 
 from .. import reference
 from ..budget import CostModel, allocate
-from ..compaction import active_cu_logits, compact
+from ..compaction import Compaction, active_cu_logits, compact, regime_of
 from ..confidence import ConfidenceHistory
+from ..data import Tokenizer
 from ..dispatch import apply_grammar_bitmask
+from ..draftmasks import DraftMasks
 from ..errors import GrammarError
 from ..grammar import GrammarProvider, commit, fill_draft_masks
-from ..layout import GrammarRows, ScheduledLayout
+from ..layout import GrammarRows, RowMapping, ScheduledLayout
 from ..plugins import get_registry
 from ..schedulers import StepOutcome, StepView, allocate_step, get_scheduler
-from .models import Streams, TargetModel, draft, hash64, structural_tokens, uniform
-from .tokenizers import SimTokenizer
+from .models import Drafts, Streams, TargetModel, draft, hash64, structural_tokens, uniform
 from .workload import RequestSpec, WorkloadMix, load_schemas, make_request
 
 __all__ = [
@@ -113,7 +121,7 @@ class SimConfig:
             rows only (budget 0 forced through ``max_logits``); 0 = never.
         check_rows: rows per step whose masking is checked column by column.
         mix: request kinds.
-        schema_dir: the JSON schemas (default ``../shared/schemas``).
+        schema_dir: the folder of JSON schemas (default :func:`maskplug.data.schema_dir`).
     """
 
     steps: int = 60
@@ -161,7 +169,7 @@ class _Prepared:
 class Workload:
     """The request stream of one seed: specs, tokenised references, compiled grammars (shared by all runs)."""
 
-    def __init__(self, config: SimConfig, tokenizer: SimTokenizer, provider: GrammarProvider | None) -> None:
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer, provider: GrammarProvider | None) -> None:
         self.config = config
         self.tok = tokenizer
         self.provider = provider
@@ -290,7 +298,7 @@ class RunResult:
         return self.tokens / (self.sim_ms / 1000.0) if self.sim_ms > 0 else 0.0
 
     def as_json(self, timing: bool) -> dict[str, Any]:
-        """The DESIGN §7 record; ``host_us_per_step`` is ``None`` unless ``timing``."""
+        """The ``--json`` record of ``docs/design.md`` §9; ``host_us_per_step`` is ``None`` unless ``timing``."""
         return {
             "steps": self.steps,
             "tokens": self.tokens,
@@ -305,6 +313,72 @@ class RunResult:
         }
 
 
+@dataclass
+class _Batch:
+    """One step's running requests (stage 2): their state, the scheduled layout and the drafts."""
+
+    t: int
+    act: list[_Active]
+    rid: I64
+    slots: I64
+    length: I64
+    prefill: npt.NDArray[np.bool_]
+    on_track: npt.NDArray[np.bool_]
+    sampled: npt.NDArray[np.bool_]
+    has_g: npt.NDArray[np.bool_]
+    #: ``window[r, j]``: the reference token ``j`` places past request ``r``'s output
+    window: I64
+    num_drafts: I64
+    num_non_draft: I64
+    layout: ScheduledLayout
+    drafts: Drafts
+    #: ``live_cols[r, j]``: draft ``j`` of request ``r`` is scheduled
+    live_cols: npt.NDArray[np.bool_]
+    #: maskplug's host time in this step so far
+    host_s: float = 0.0
+
+
+@dataclass
+class _Masks:
+    """Stage 3: the grammar requests (batch rows ``g_idx``), their mask rows and the row mapping."""
+
+    g_idx: I64
+    num_rows: int
+    bitmask: torch.Tensor
+    dm: DraftMasks | None
+    mapping: RowMapping
+
+
+@dataclass
+class _Budget:
+    """Stage 4: the scheduler's view and budget, the live allocation and the compaction."""
+
+    view: StepView
+    b: int
+    live: torch.Tensor
+    cap: I64
+    cu: torch.Tensor
+    cu_np: I64
+    comp: Compaction
+    regime: str
+
+
+@dataclass
+class _Rows:
+    """Stage 5: the masked logits of the live rows and where each row comes from."""
+
+    logits: torch.Tensor
+    row_req: I64
+    row_pos: I64
+    out_pos: I64
+    #: grammar index of each batch row (−1 for unconstrained requests)
+    g_of: I64
+    #: first mask row of each grammar request
+    g_start: I64
+    bm_np: npt.NDArray[np.int32]
+    apply_s: float
+
+
 def _bits(bitmask_np: npt.NDArray[np.int32], rows: I64, tokens: I64) -> npt.NDArray[np.bool_]:
     """Independent bit test: is ``tokens[i]`` allowed by mask row ``rows[i]``?"""
     words = bitmask_np[rows, tokens >> 5].astype(np.int64) & 0xFFFFFFFF
@@ -312,7 +386,7 @@ def _bits(bitmask_np: npt.NDArray[np.int32], rows: I64, tokens: I64) -> npt.NDAr
 
 
 def _row_allowed(bitmask_row: npt.NDArray[np.int32], vocab_size: int) -> npt.NDArray[np.bool_]:
-    """The allowed-token vector of one mask row (little-endian bit order, as DESIGN §2)."""
+    """The allowed-token vector of one mask row (little-endian bit order, ``docs/design.md`` §2)."""
     bits = np.unpackbits(bitmask_row.astype("<i4").view(np.uint8), bitorder="little")
     return bits[:vocab_size].astype(bool)
 
@@ -343,7 +417,8 @@ class Simulation:
         self.name = scheduler
         self.sched = make_scheduler(scheduler)
         self.spec_off = scheduler == "no-spec"
-        self.grammar_aware = scheduler.startswith("grammar-aware")
+        # Schedulers that read the draft masks get an allocation that respects them.
+        self.grammar_aware = bool(getattr(self.sched, "uses_grammar", False))
         self.work = workload
         self.target = target
         self.cost = cost
@@ -408,11 +483,23 @@ class Simulation:
             return "valid" if regex.fullmatch(spec.pattern or "", text) is not None else "invalid"
         return "valid"
 
-    # --------------------------------------------------------------------- step
+    # -------------------------------------------------------------------- stages
     def step(self, t: int) -> None:
-        """Run engine step ``t``."""
-        cfg, res, K, V = self.cfg, self.result, self.K, self.V
+        """Run engine step ``t``: the seven stages of the module docstring, each checked."""
         self._admit()
+        batch = self._draft(t)
+        masks = self._fill_masks(batch)
+        budget = self._choose_budget(batch, masks)
+        self._check_layouts(batch, masks, budget)
+        rows = self._masked_logits(batch, masks, budget)
+        n_acc, final_tok = self._verify(batch, masks, budget, rows)
+        emitted, finished = self._commit(batch, budget, rows, n_acc, final_tok)
+        self._retire(batch, finished)
+        self._account(batch, masks, budget, rows, n_acc, emitted, len(finished))
+
+    def _draft(self, t: int) -> _Batch:
+        """Stage 2: the running requests' state, the scheduled layout and up to ``K`` drafts each."""
+        cfg, K = self.cfg, self.K
         act = self.active
         n = len(act)
         rid = np.fromiter((a.prep.spec.index for a in act), dtype=np.int64, count=n)
@@ -438,86 +525,126 @@ class Simulation:
         num_non_draft = np.where(prefill, prompt, 1).astype(np.int64)
         layout = ScheduledLayout(rid, num_drafts, num_non_draft)
         d = draft(
-            cfg.seed, rid, length, window, num_drafts, skill, sampled, self.structural, self.first_token, V, max(K, 1)
+            cfg.seed,
+            rid,
+            length,
+            window,
+            num_drafts,
+            skill,
+            sampled,
+            self.structural,
+            self.first_token,
+            self.V,
+            max(K, 1),
         )
-
-        # ---- grammar rows for the scheduled drafts (maskplug) ----------------
-        h0 = time.perf_counter()
-        g_idx = np.nonzero(has_g)[0]
-        rows = GrammarRows(rid[g_idx])
-        num_rows = rows.num_rows(layout)
-        bitmask = self.vocab.new_bitmask(num_rows)
         live_cols = np.arange(d.tokens.shape[1])[None, :] < num_drafts[:, None]
-        flat_drafts = d.tokens[live_cols]  # batch order, Σ num_drafts entries
-        dm = fill_draft_masks([act[g].matcher for g in g_idx], flat_drafts, bitmask, rows, layout)
-        mapping = rows.mapping(layout)
+        return _Batch(
+            t, act, rid, slots, length, prefill, on_track, sampled, has_g, window, num_drafts, num_non_draft, layout, d,
+            live_cols,
+        )  # fmt: skip
 
-        # ---- budget: stale confidences, engine token limit -------------------
-        stale = self.hist.stale(slots)[:, : max(K, 1)]
+    def _fill_masks(self, batch: _Batch) -> _Masks:
+        """Stage 3: the grammar requests' mask rows for the scheduled drafts (:func:`maskplug.fill_draft_masks`)."""
+        h0 = time.perf_counter()
+        g_idx = np.nonzero(batch.has_g)[0]
+        rows = GrammarRows(batch.rid[g_idx])
+        num_rows = rows.num_rows(batch.layout)
+        bitmask = self.vocab.new_bitmask(num_rows)
+        flat_drafts = batch.drafts.tokens[batch.live_cols]  # batch order, Σ num_drafts entries
+        dm = fill_draft_masks([batch.act[g].matcher for g in g_idx], flat_drafts, bitmask, rows, batch.layout)
+        mapping = rows.mapping(batch.layout)
+        batch.host_s += time.perf_counter() - h0
+        return _Masks(g_idx, num_rows, bitmask, dm, mapping)
+
+    def _choose_budget(self, batch: _Batch, masks: _Masks) -> _Budget:
+        """Stage 4: the scheduler's budget on stale confidences, its allocation on live ones, the compaction."""
+        cfg, K, t, n = self.cfg, self.K, batch.t, len(batch.act)
+        h0 = time.perf_counter()
+        stale = self.hist.stale(batch.slots)[:, : max(K, 1)]
         room = None
         if cfg.max_batch_tokens is not None:
-            room = max(0, int(cfg.max_batch_tokens) - int(num_non_draft.sum()))
+            room = max(0, int(cfg.max_batch_tokens) - int(batch.num_non_draft.sum()))
         if cfg.squeeze_every and t % cfg.squeeze_every == cfg.squeeze_every - 1:
             room = 0
-        max_logits = None if room is None else n * layout.num_bonus + room
-        view = StepView(layout, self.cost, confidences=stale, grammar=dm if g_idx.size else None, max_logits=max_logits)
+        max_logits = None if room is None else n * batch.layout.num_bonus + room
+        view = StepView(
+            batch.layout,
+            self.cost,
+            confidences=stale,
+            grammar=masks.dm if masks.g_idx.size else None,
+            max_logits=max_logits,
+        )
         decision = self.sched.budget(view)
         b = int(decision.budget)
-        live = torch.from_numpy(d.conf.astype(np.float32))
+        live = torch.from_numpy(batch.drafts.conf.astype(np.float32))
         if self.grammar_aware:
             capacity = allocate_step(view, live, b)
         else:
-            capacity = allocate(live, num_drafts, b)
-        cu = active_cu_logits(capacity, layout.num_bonus)
-        comp = compact(layout, b)
-        host_s = time.perf_counter() - h0
-
-        # ---- invariants of the layouts ---------------------------------------
+            capacity = allocate(live, batch.num_drafts, b)
+        cu = active_cu_logits(capacity, batch.layout.num_bonus)
+        comp = compact(batch.layout, b)
+        batch.host_s += time.perf_counter() - h0
         cap = capacity.numpy().astype(np.int64)
         cu_np = cu.numpy().astype(np.int64)
-        if not 0 <= b <= view.cap:
-            self._fail(t, f"budget {b} outside [0, {view.cap}]")
-        if len(mapping) != num_rows or bitmask.shape[0] != num_rows:
-            self._fail(t, f"mapping has {len(mapping)} rows, bitmask {bitmask.shape[0]}, producer {num_rows}")
+        return _Budget(view, b, live, cap, cu, cu_np, comp, regime_of(batch.layout, b))
+
+    def _check_layouts(self, batch: _Batch, masks: _Masks, budget: _Budget) -> None:
+        """The layout invariants of stages 3–4, against :mod:`maskplug.reference` where it has an answer."""
+        t, b, cap, cu_np, comp = batch.t, budget.b, budget.cap, budget.cu_np, budget.comp
+        num_drafts, num_bonus = batch.num_drafts, batch.layout.num_bonus
+        dm = masks.dm
+        if not 0 <= b <= budget.view.cap:
+            self._fail(t, f"budget {b} outside [0, {budget.view.cap}]")
+        if len(masks.mapping) != masks.num_rows or masks.bitmask.shape[0] != masks.num_rows:
+            self._fail(
+                t,
+                f"mapping has {len(masks.mapping)} rows, bitmask {masks.bitmask.shape[0]}, producer {masks.num_rows}",
+            )
         if int(cap.sum()) != b or np.any(cap < 0) or np.any(cap > num_drafts):
             self._fail(t, f"capacity {cap.tolist()} does not split budget {b} within {num_drafts.tolist()}")
         if not self.grammar_aware:
-            ref_cap = reference.allocate(live.numpy(), num_drafts, b)
+            ref_cap = reference.allocate(budget.live.numpy(), num_drafts, b)
             if list(ref_cap) != cap.tolist():
                 self._fail(t, f"allocate {cap.tolist()} differs from the reference {list(ref_cap)}")
-        elif dm is not None and g_idx.size and np.any(cap[dm.request] > dm.acceptable):
+        elif dm is not None and masks.g_idx.size and np.any(cap[dm.request] > dm.acceptable):
             self._fail(t, "grammar-aware allocation admitted drafts the grammar rejects")
-        expect_cu = np.concatenate([[0], np.cumsum(cap + layout.num_bonus)])
+        expect_cu = np.concatenate([[0], np.cumsum(cap + num_bonus)])
         if not np.array_equal(cu_np, expect_cu):
             self._fail(t, f"active cu_logits {cu_np.tolist()} != cumsum(capacity + bonus) {expect_cu.tolist()}")
-        if comp.num_tokens != int(num_non_draft.sum()) + b:
-            self._fail(t, f"compaction keeps {comp.num_tokens} tokens, expected {int(num_non_draft.sum()) + b}")
+        if comp.num_tokens != int(batch.num_non_draft.sum()) + b:
+            self._fail(t, f"compaction keeps {comp.num_tokens} tokens, expected {int(batch.num_non_draft.sum()) + b}")
         if comp.exact and not np.array_equal(comp.cu_logits, cu_np):
             self._fail(t, f"exact host cu_logits {comp.cu_logits.tolist()} != device {cu_np.tolist()}")
-        total = layout.total_drafts
-        regime = "zero" if b == 0 else ("full" if b == total else "partial")
-        if total and comp.regime != regime:
-            self._fail(t, f"compaction regime {comp.regime!r}, expected {regime!r}")
+        ref_regime = reference.compact(batch.layout, b).regime
+        if comp.regime != budget.regime or ref_regime != budget.regime:
+            self._fail(
+                t,
+                f"compaction regime {comp.regime!r}, regime_of {budget.regime!r}, reference {ref_regime!r} differ",
+            )
 
-        # ---- target logits for the live (compacted) rows only ----------------
+    def _masked_logits(self, batch: _Batch, masks: _Masks, budget: _Budget) -> _Rows:
+        """Stage 5: the target's logits for the live (compacted) rows only, masked by the mapped grammar rows."""
+        cfg, V, t, n = self.cfg, self.V, batch.t, len(batch.act)
+        cap, cu_np, rid, g_idx = budget.cap, budget.cu_np, batch.rid, masks.g_idx
+        d, width = batch.drafts, batch.window.shape[1]
         R = int(cu_np[-1])
         row_req = np.repeat(np.arange(n), cap + 1)
         row_pos = np.arange(R) - cu_np[row_req]
         k_all = d.tokens.shape[1]
-        match = (d.tokens == window[:, :k_all]) & live_cols
+        match = (d.tokens == batch.window[:, :k_all]) & batch.live_cols
         lead = np.cumprod(match, axis=1).sum(axis=1)  # drafts that follow the reference
-        prefix_ok = on_track[row_req] & (row_pos <= lead[row_req])
+        prefix_ok = batch.on_track[row_req] & (row_pos <= lead[row_req])
         pos_c = np.minimum(row_pos, width - 1)
-        preferred = np.where(prefix_ok, window[row_req, pos_c], self.eos)
+        preferred = np.where(prefix_ok, batch.window[row_req, pos_c], self.eos)
         # Grammar row of each live logits row (−1 for unconstrained requests).
         g_of = np.full(n, -1, dtype=np.int64)
         g_of[g_idx] = np.arange(g_idx.size)
         g_start = np.zeros(g_idx.size + 1, dtype=np.int64)
-        np.cumsum(num_drafts[g_idx] + layout.num_bonus, out=g_start[1:])
+        np.cumsum(batch.num_drafts[g_idx] + batch.layout.num_bonus, out=g_start[1:])
         mrow = np.where(g_of[row_req] >= 0, g_start[np.maximum(g_of[row_req], 0)] + row_pos, -1)
-        bm_np = bitmask.numpy()
+        bm_np = masks.bitmask.numpy()
         tempt = np.full(R, -1, dtype=np.int64)
-        out_pos = length[row_req] + row_pos
+        out_pos = batch.length[row_req] + row_pos
         want = (mrow >= 0) & prefix_ok & (uniform(cfg.seed, Streams.TEMPT, rid[row_req], out_pos) < cfg.tempt_rate)
         if np.any(want):
             w = np.nonzero(want)[0]
@@ -531,7 +658,7 @@ class Simulation:
             first_bad = np.argmax(~allowed, axis=1)
             ok = ~allowed[np.arange(w.size), first_bad]
             tempt[w[ok]] = cand[ok, first_bad[ok]]
-            res.tempted_rows += int(ok.sum())
+            self.result.tempted_rows += int(ok.sum())
         logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
 
         # Keep a few masked rows' raw values to check the kernel column by column.
@@ -541,8 +668,8 @@ class Simulation:
         before = logits[torch.from_numpy(check)].clone() if check.size else None
 
         a0 = time.perf_counter()
-        if num_rows:
-            apply_grammar_bitmask(logits, bitmask, mapping, cu, vocab_size=V, backend=cfg.backend)
+        if masks.num_rows:
+            apply_grammar_bitmask(logits, masks.bitmask, masks.mapping, budget.cu, vocab_size=V, backend=cfg.backend)
         apply_s = time.perf_counter() - a0
 
         if before is not None:
@@ -552,8 +679,18 @@ class Simulation:
                 ok_row = torch.equal(torch.where(allowed_row, before[i], float("-inf")), after[i])
                 if not ok_row:
                     self._fail(t, f"logits row {row} not masked exactly by mask row {int(mrow[row])}")
+        return _Rows(logits, row_req, row_pos, out_pos, g_of, g_start, bm_np, apply_s)
 
-        # ---- verification on the masked, compacted logits --------------------
+    def _verify(self, batch: _Batch, masks: _Masks, budget: _Budget, rows: _Rows) -> tuple[I64, I64]:
+        """Stage 6: greedy or rejection-sampling verification on the masked, compacted logits.
+
+        Returns the accepted drafts per request and the token each request
+        emits after them (the target's correction or bonus token).
+        """
+        cfg, V, t = self.cfg, self.V, batch.t
+        d, cap, rid, sampled = batch.drafts, budget.cap, batch.rid, batch.sampled
+        logits, row_req, row_pos = rows.logits, rows.row_req, rows.row_pos
+        n, R, k_all = len(batch.act), int(budget.cu_np[-1]), d.tokens.shape[1]
         tgt = logits.argmax(dim=1).numpy().astype(np.int64)
         draft_row = row_pos < cap[row_req]  # rows whose draft is being verified
         dr = np.nonzero(draft_row)[0]
@@ -570,7 +707,7 @@ class Simulation:
             conc = d.conc[row_req[sdr]]
             belief = d.belief[row_req[sdr], row_pos[sdr]]
             q_d = (1.0 - conc) / V + conc * (st == belief)
-            u = uniform(cfg.seed, Streams.ACCEPT, rid[row_req[sdr]], out_pos[sdr])
+            u = uniform(cfg.seed, Streams.ACCEPT, rid[row_req[sdr]], rows.out_pos[sdr])
             acc_row[sdr] = u * q_d < p_d
         # Nothing is accepted after an accepted stop token: the output ends there.
         after_eos = np.zeros_like(d.tokens, dtype=bool)
@@ -582,19 +719,19 @@ class Simulation:
         n_acc = np.minimum(np.cumprod(ok_mat, axis=1).sum(axis=1), cap)
         # A draft the grammar rejects can never be accepted (its row forbids it),
         # so the accepted prefix never passes the grammar's acceptable count.
-        acceptable = num_drafts.copy()
-        if g_idx.size:
-            acceptable[dm.request] = dm.acceptable
+        acceptable = batch.num_drafts.copy()
+        if masks.g_idx.size and masks.dm is not None:
+            acceptable[masks.dm.request] = masks.dm.acceptable
         beyond = n_acc > acceptable
         if np.any(beyond):
             br = int(np.argmax(beyond))
             self._fail(
                 t,
                 f"verification accepted {int(n_acc[br])} drafts of request {int(rid[br])} "
-                f"({d.tokens[br, : num_drafts[br]].tolist()}) but its grammar accepts {int(acceptable[br])}",
+                f"({d.tokens[br, : batch.num_drafts[br]].tolist()}) but its grammar accepts {int(acceptable[br])}",
             )
             n_acc = np.minimum(n_acc, acceptable)
-        final_row = cu_np[:-1] + n_acc
+        final_row = budget.cu_np[:-1] + n_acc
         final_tok = tgt[final_row].copy()
         s_req = np.nonzero(sampled)[0]
         if s_req.size:
@@ -603,35 +740,43 @@ class Simulation:
             rejected = n_acc[s_req] < cap[s_req]
             if np.any(rejected):
                 rj = np.nonzero(rejected)[0]
-                conc = torch.from_numpy(d.conc[s_req[rj]])[:, None]
-                resid = probs[rj] - (1.0 - conc) / V
+                conc_t = torch.from_numpy(d.conc[s_req[rj]])[:, None]
+                resid = probs[rj] - (1.0 - conc_t) / V
                 bel = torch.from_numpy(d.belief[s_req[rj], n_acc[s_req[rj]]])
-                resid[torch.arange(rj.size), bel] -= conc[:, 0]
+                resid[torch.arange(rj.size), bel] -= conc_t[:, 0]
                 resid = resid.clamp_min(0.0)
                 good = resid.sum(dim=1) > 0
                 probs[torch.from_numpy(rj[good.numpy()])] = resid[good]
             cdf = torch.cumsum(probs, dim=1)
-            u = uniform(cfg.seed, Streams.SAMPLE, rid[s_req], length[s_req] + n_acc[s_req])
-            target_mass = torch.from_numpy(u)[:, None] * cdf[:, -1:]
+            u_s = uniform(cfg.seed, Streams.SAMPLE, rid[s_req], batch.length[s_req] + n_acc[s_req])
+            target_mass = torch.from_numpy(u_s)[:, None] * cdf[:, -1:]
             pick = torch.searchsorted(cdf, target_mass, right=True)[:, 0].clamp_max(V - 1)
             final_tok[s_req] = pick.numpy()
+        return n_acc, final_tok
 
-        # ---- emit, check, commit ---------------------------------------------
+    def _commit(
+        self, batch: _Batch, budget: _Budget, rows: _Rows, n_acc: I64, final_tok: I64
+    ) -> tuple[int, list[tuple[int, bool]]]:
+        """Stage 7a: emit, check against the mask rows, commit to the matchers, tell the scheduler.
+
+        Returns the tokens emitted and the finished requests as ``(batch row, stopped)``.
+        """
+        t, d = batch.t, batch.drafts
         finished: list[tuple[int, bool]] = []
         emitted_total = 0
-        for r, a in enumerate(act):
+        for r, a in enumerate(batch.act):
             toks = [int(x) for x in d.tokens[r, : n_acc[r]]] + [int(final_tok[r])]
             if self.eos in toks:
                 toks = toks[: toks.index(self.eos) + 1]
             toks = toks[: max(0, a.prep.max_tokens - len(a.output))]
             if a.matcher is not None:
-                g = g_of[r]
-                rws = g_start[g] + np.arange(len(toks))
-                if not np.all(_bits(bm_np, rws, np.asarray(toks, dtype=np.int64))):
+                g = rows.g_of[r]
+                rws = rows.g_start[g] + np.arange(len(toks))
+                if not np.all(_bits(rows.bm_np, rws, np.asarray(toks, dtype=np.int64))):
                     self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
                 c0 = time.perf_counter()
                 took = commit(a.matcher, toks)
-                host_s += time.perf_counter() - c0
+                batch.host_s += time.perf_counter() - c0
                 if took != len(toks):
                     self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
             ref = a.prep.ref
@@ -648,17 +793,22 @@ class Simulation:
                 if a.matcher is not None and stopped and not a.matcher.is_terminated():
                     self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
 
-        decode = ~prefill
+        decode = ~batch.prefill
+        rid, cap = batch.rid, budget.cap
         o0 = time.perf_counter()
         fin_ids = rid[[r for r, _ in finished]] if finished else np.zeros(0, dtype=np.int64)
         self.sched.observe(
             StepOutcome(req_ids=rid[decode], verified=cap[decode], accepted=n_acc[decode], finished=fin_ids)
         )
-        self.hist.record(slots, live if K else torch.zeros(n, 1))
-        host_s += time.perf_counter() - o0
+        self.hist.record(batch.slots, budget.live if self.K else torch.zeros(len(batch.act), 1))
+        batch.host_s += time.perf_counter() - o0
+        return emitted_total, finished
 
+    def _retire(self, batch: _Batch, finished: list[tuple[int, bool]]) -> None:
+        """Stage 7b: validate the finished outputs and free their slots."""
+        res = self.result
         for r, stopped in finished:
-            a = act[r]
+            a = batch.act[r]
             verdict = self._finish(a, stopped)
             res.finished_tokens += len(a.output)
             if verdict == "valid":
@@ -671,40 +821,52 @@ class Simulation:
                     res.invalid_samples.append(f"{a.prep.spec.name}: {self.work.tok.decode(a.output)[:200]!r}")
             self.free_slots.append(a.slot)
         done = {r for r, _ in finished}
-        self.active = [a for r, a in enumerate(act) if r not in done]
+        self.active = [a for r, a in enumerate(batch.act) if r not in done]
 
-        # ---- accounting ----------------------------------------------------------
-        step_ms = float(self.cost.verify_ms(int(num_non_draft.sum()) + b))
+    def _account(
+        self,
+        batch: _Batch,
+        masks: _Masks,
+        budget: _Budget,
+        rows: _Rows,
+        n_acc: I64,
+        emitted: int,
+        finished: int,
+    ) -> None:
+        """Simulated time, counters and the ``step_end`` hook."""
+        res, b, total = self.result, budget.b, batch.layout.total_drafts
+        decode = ~batch.prefill
+        step_ms = float(self.cost.verify_ms(int(batch.num_non_draft.sum()) + b))
         if total:
             step_ms += float(self.cost.draft_ms(int(decode.sum())))
         res.steps += 1
-        res.tokens += emitted_total
+        res.tokens += emitted
         res.sim_ms += step_ms
-        res.regimes[regime] += 1
+        res.regimes[budget.regime] += 1
         res.zero_trimmed += int(b == 0 and total > 0)
         res.verified += b
         res.accepted += int(n_acc[decode].sum())
         res.verify_events += int(decode.sum())
-        res.host_s += host_s
-        res.apply_s += apply_s
+        res.host_s += batch.host_s
+        res.apply_s += rows.apply_s
         res.budgets.append(b)
-        res.max_budgets.append(int(view.cap))
+        res.max_budgets.append(int(budget.view.cap))
         self.registry.step_end(
             {
-                "step": t,
+                "step": batch.t,
                 "scheduler": self.name,
-                "num_requests": n,
-                "num_grammar_requests": int(g_idx.size),
+                "num_requests": len(batch.act),
+                "num_grammar_requests": int(masks.g_idx.size),
                 "scheduled_drafts": total,
                 "budget": b,
-                "regime": regime,
-                "mask_rows": num_rows,
-                "logits_rows": R,
-                "emitted": emitted_total,
-                "finished": len(finished),
+                "regime": budget.regime,
+                "mask_rows": masks.num_rows,
+                "logits_rows": int(budget.cu_np[-1]),
+                "emitted": emitted,
+                "finished": finished,
                 "sim_ms": step_ms,
-                "host_us": host_s * 1e6,
-                "apply_us": apply_s * 1e6,
+                "host_us": batch.host_s * 1e6,
+                "apply_us": rows.apply_s * 1e6,
             }
         )
 

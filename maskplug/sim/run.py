@@ -76,7 +76,7 @@ def run_demo(
 
 
 def format_json(report: DemoReport, timing: bool = True) -> str:
-    """The one-object ``--json`` output (DESIGN §7); byte-identical for one seed when ``timing`` is off."""
+    """The one-object ``--json`` output (``docs/design.md`` §9); byte-identical for one seed when ``timing`` is off."""
     obj: dict[str, Any] = {
         "seed": report.config.seed,
         "config": report.config.as_json(),

@@ -28,7 +28,8 @@ def test_demo_small_is_valid_and_hits_every_regime() -> None:
     adaptive = [rep.results[s] for s in ("dspark", "grammar-aware:dspark", "goodput")]
     assert sum(r.zero_trimmed for r in adaptive) > 0  # budget 0 with drafts scheduled
     assert sum(r.regimes["partial"] for r in adaptive) > 0
-    assert rep.results["no-spec"].regimes["zero"] == 40
+    # No drafts, nothing trimmed: maskplug.compaction counts such steps as full.
+    assert rep.results["no-spec"].regimes == {"full": 40, "partial": 0, "zero": 0}
     assert rep.results["no-spec"].accepted == 0
     # The grammar rows were load-bearing: the target was tempted by forbidden tokens.
     assert sum(r.tempted_rows for r in rep.results.values()) > 0
