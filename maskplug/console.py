@@ -108,7 +108,7 @@ def render_table(
         columns: ``(header, justify)`` per column, ``justify`` ``"left"`` or ``"right"``.
         rows: the cells of each row, already formatted, as many as ``columns``.
     """
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1), header_style="")
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1, 0, 0), header_style="")
     for header, justify in columns:
         table.add_column(Text(header), justify=justify, no_wrap=True)
     for row in rows:
