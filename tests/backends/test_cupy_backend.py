@@ -180,7 +180,7 @@ def test_plan_alignment_flag() -> None:
     assert aligned(torch.zeros(1, 1030)[:, :1024])  # one row: its stride is never used
 
 
-def _small_args() -> tuple[torch.Tensor, ...]:
+def _small_args() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         torch.zeros(2, 32, dtype=torch.int32),
         torch.zeros(2, dtype=torch.int32),
