@@ -13,7 +13,7 @@ STAMP  := $(VENV)/.maskplug-installed
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml))
 PLUGIN_ARGS := $(foreach d,$(PLUGIN_DIRS),-e $(d))
 
-.PHONY: venv demo test test-core test-engines lint bench clean
+.PHONY: venv demo demo-vllm test test-core test-engines lint bench clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt $(wildcard requirements/*.txt) $(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/maskplug demo
+
+# The real-engine companion of `make demo`: vLLM's CPU engine (adapters/.venv-vllm) with maskplug's
+# adaptive verification on a tiny model with random weights, a minute or two.
+demo-vllm:
+	$(MAKE) -C adapters .venv-vllm/.maskplug-vllm-installed
+	cd adapters/vllm && ../.venv-vllm/bin/python -m maskplug_vllm.demo
 
 test: test-core test-engines
 
