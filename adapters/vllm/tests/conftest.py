@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from vllm_release import skip_other_release_tests
 
 from maskplug.testing import load_hypothesis_profile, skip_gpu_tests
 
@@ -12,6 +13,7 @@ load_hypothesis_profile()
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu_tests(items, reason="needs a CUDA device (and vLLM's CUDA build); none on this machine")
+    skip_other_release_tests(items)
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ from vllm_release import V033, needs_v033, no_pinned_memory, v033_kernel_mapping
 
 from maskplug import LayoutError, reference
 
+VLLM_RELEASES = ("0.32.0", "0.33.0")
+
 if not V033:
     from vllm.v1.worker.gpu.structured_outputs import _build_grammar_mapping
 

@@ -29,6 +29,8 @@ from vllm_release import V033, needs_v032, needs_v033, no_pinned_memory, v033_ke
 import maskplug
 from maskplug import BudgetError, CostModel, ScheduledLayout
 
+VLLM_RELEASES = ("0.32.0", "0.33.0")
+
 if not V033:
     from vllm.v1.worker.gpu.structured_outputs import _build_grammar_mapping
 

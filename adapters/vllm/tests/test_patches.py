@@ -14,6 +14,8 @@ from vllm_release import RELEASE, V033
 
 from maskplug import PluginError
 
+VLLM_RELEASES = ("0.32.0", "0.33.0")
+
 NAMED = [
     (so_utils, "apply_grammar_bitmask"),
     (StructuredOutputsWorker, "apply_grammar_bitmask"),

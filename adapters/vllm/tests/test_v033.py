@@ -27,6 +27,8 @@ from vllm_release import V033, no_pinned_memory, v033_kernel_mapping, v033_worke
 
 from maskplug import LayoutError, reference
 
+VLLM_RELEASES = ("0.33.0",)
+
 pytestmark = pytest.mark.skipif(not V033, reason=f"vLLM 0.33 only (installed: vLLM {patches.vllm_version()})")
 
 if V033:

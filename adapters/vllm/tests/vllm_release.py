@@ -23,6 +23,29 @@ needs_v032 = pytest.mark.skipif(V033, reason="vLLM 0.32 only: vLLM 0.33 has no C
 needs_v033 = pytest.mark.skipif(not V033, reason=f"vLLM 0.33 only (installed: vLLM {RELEASE})")
 
 
+DEFAULT_RELEASES = ("0.32.0",)
+"""Releases a test module runs against unless it says otherwise in ``VLLM_RELEASES``."""
+
+
+def skip_other_release_tests(items: list[pytest.Item]) -> None:
+    """Skip, with the reason, every test whose module does not list the installed release.
+
+    A module lists the releases it is written for in ``VLLM_RELEASES``; without
+    one it is vLLM 0.32's (the whole CPU engine, or 0.32's internals).
+    """
+    for item in items:
+        module = getattr(item, "module", None)
+        releases = tuple(getattr(module, "VLLM_RELEASES", DEFAULT_RELEASES))
+        if RELEASE not in releases:
+            reason = (
+                f"written for vLLM {', '.join(releases)} (its CPU engine or that release's internals); "
+                f"installed: vLLM {RELEASE}"
+            )
+            if V033:
+                reason += ", which has no CPU build to run an engine on"
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 class KernelLaunches:
     """Stands in for a ``@triton.jit`` kernel: records each ``kernel[grid](*args, **kwargs)`` launch."""
 
