@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..budget import BudgetDecision, choose_budget
+from ..budget import BudgetDecision
 from ..errors import BudgetError
 from .protocol import StepOutcome, StepView, check_no_config
 
@@ -38,13 +38,7 @@ class DSparkScheduler:
 
     def budget(self, step: StepView) -> BudgetDecision:
         """``argmax_b est(b) / cost(b)`` with the stale confidences (grammar-blind)."""
-        return choose_budget(
-            self.beliefs(step),
-            step.layout,
-            step.cost,
-            num_sampling=step.num_sampling,
-            max_logits=step.max_logits,
-        )
+        return step.best(self.beliefs(step))
 
     def observe(self, outcome: StepOutcome) -> None:
         """Nothing to learn: the confidence head already reflects the history."""

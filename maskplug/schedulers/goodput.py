@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..budget import BudgetDecision, choose_budget
+from ..budget import BudgetDecision
 from ..errors import BudgetError
 from .protocol import StepOutcome, StepView
 
@@ -172,13 +172,7 @@ class GoodputScheduler:
 
     def budget(self, step: StepView) -> BudgetDecision:
         """``choose_budget`` on the history-based estimates (the view's confidences are not used)."""
-        return choose_budget(
-            self.beliefs(step),
-            step.layout,
-            step.cost,
-            num_sampling=step.num_sampling,
-            max_logits=step.max_logits,
-        )
+        return step.best(self.beliefs(step))
 
     def observe(self, outcome: StepOutcome) -> None:
         """Fold one step's acceptances into the per-request and population averages."""

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..budget import BudgetDecision, choose_budget, grammar_confidences, host_confidences
+from ..budget import BudgetDecision, grammar_confidences, host_confidences
 from ..errors import BudgetError
 from .protocol import Scheduler, StepOutcome, StepView, grammar_limits
 from .registry import DEFAULT_SCHEDULER, get_scheduler
@@ -72,16 +72,9 @@ class GrammarAwareScheduler:
                 None if step.confidences is None else grammar_confidences(step.confidences, step.layout, step.grammar)
             )
             return step.score(min(inner.budget, room, step.cap), seen)
-        # choose_budget with the grammar hints; past the accepted drafts every
-        # survival is 0, so the argmax (smallest on ties) never spends there.
-        return choose_budget(
-            conf,
-            step.layout,
-            step.cost,
-            num_sampling=step.num_sampling,
-            max_logits=step.max_logits,
-            grammar=step.grammar,
-        )
+        # Past the accepted drafts every survival is 0 and step costs never
+        # fall as the budget grows, so the argmax (smallest on ties) never spends there.
+        return step.best(conf, with_grammar=True)
 
     def observe(self, outcome: StepOutcome) -> None:
         """Passed on to the wrapped scheduler."""

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..budget import BudgetDecision, CostModel, host_confidences, survival
+from ..budget import BudgetDecision, CostModel, choose_budget, host_confidences, survival
 from ..draftmasks import DraftMasks
 from ..errors import BudgetError
 from ..layout import ScheduledLayout
@@ -110,6 +110,24 @@ class StepView:
     def sampling(self) -> int:
         """Tokens emitted at budget 0: ``num_sampling``, or ``n`` when it was not given."""
         return self.layout.n if self.num_sampling is None else int(self.num_sampling)
+
+    def best(self, confidences: Any, *, with_grammar: bool = False) -> BudgetDecision:
+        """The budget :func:`~maskplug.choose_budget` picks for this step on ``confidences``.
+
+        The step's layout, cost model, row limit and ``num_sampling`` are
+        used; with ``with_grammar`` its draft masks correct the confidences
+        too (rejected drafts worth 0, forced accepted ones certain).
+        ``confidences`` are per-position acceptance estimates, shape
+        ``(n, ≥ max num_drafts)``: the view's own or a scheduler's beliefs.
+        """
+        return choose_budget(
+            confidences,
+            self.layout,
+            self.cost,
+            num_sampling=self.num_sampling,
+            max_logits=self.max_logits,
+            grammar=self.grammar if with_grammar else None,
+        )
 
     def score(self, budget: int, confidences: Any | None = None) -> BudgetDecision:
         """The decision for a given ``budget``: expected tokens under ``confidences`` and its step cost.

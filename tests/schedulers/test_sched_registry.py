@@ -242,6 +242,19 @@ def test_step_view_validation_and_read_only() -> None:
         view.score(5)
 
 
+@given(steps())
+def test_step_view_best_is_the_oracle_choice_for_the_step(case: Case) -> None:
+    view = case.view
+    for conf in (case.live, view.confidences):
+        if conf is None:
+            continue
+        kwargs: dict[str, Any] = {"num_sampling": view.num_sampling, "max_logits": view.max_logits}
+        assert view.best(conf) == reference.choose_budget(conf, view.layout, view.cost, **kwargs)
+        assert view.best(conf, with_grammar=True) == reference.choose_budget(
+            conf, view.layout, view.cost, grammar=view.grammar, **kwargs
+        )
+
+
 def _check_decision(d: mp.BudgetDecision, view: mp.StepView) -> None:
     assert isinstance(d, mp.BudgetDecision)
     assert isinstance(d.budget, int) and 0 <= d.budget <= oracle_cap(view)
