@@ -220,13 +220,12 @@ def run_bench(quick: bool = False, as_json: bool = False, progress: bool = True)
         jobs.append(("draft rows", lambda: _draft_rows("spm", 8, 3, repeat)))
     else:
         jobs.append(("draft rows", lambda: _draft_rows("tekken", 64, 7, repeat)))
-    bar = Progress(len(jobs), "bench", enabled=progress)
     rows: list[BenchRow] = []
-    for i, (label, job) in enumerate(jobs):
-        bar.update(i, label)
-        rows += job()
-    bar.update(len(jobs))
-    bar.close()
+    with Progress(len(jobs), "bench", enabled=progress) as bar:
+        for i, (label, job) in enumerate(jobs):
+            bar.update(i, label)
+            rows += job()
+        bar.update(len(jobs))
     if as_json:
         print(json.dumps([{**r.__dict__, "ratio": round(r.ratio, 3)} for r in rows], indent=2))
         return 0

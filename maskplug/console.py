@@ -35,6 +35,8 @@ Justify = Literal["left", "right"]
 class Progress:
     """``Progress(total, label)``; call :meth:`update` with the work done, :meth:`close` at the end.
 
+    Also a context manager that closes it, so an error leaves the terminal as it was.
+
     Args:
         total: units of work in all.
         label: what is being done (shown in front of the bar).
@@ -93,9 +95,16 @@ class Progress:
                 self._console.print(self._bar.make_tasks_table(self._bar.tasks))
 
     def close(self) -> None:
-        """Finish the display (on a terminal the last state stays on screen)."""
+        """Finish the display (on a terminal the last state stays on screen); closing twice is harmless."""
         if self._bar is not None and self._live:
             self._bar.stop()
+            self._live = False
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def render_table(

@@ -253,19 +253,18 @@ def run_selftest(seed: int = 0, cases: int = 40, as_json: bool = False, progress
                 skipped.append(CheckResult(f"kernel {name} on {dev.type}", status="unavailable", detail=why))
     for prov in grammar_providers():
         jobs.append((f"grammar {prov}", lambda p=prov: _check_provider(p, rng, max(cases // 4, 3))))  # type: ignore[misc]
-    bar = Progress(len(jobs), "selftest", enabled=progress)
     results: list[CheckResult] = []
     t0 = time.perf_counter()
-    for i, (label, job) in enumerate(jobs):
-        bar.update(i, label)
-        try:
-            results.append(job())
-        except Exception as exc:  # a crash is a failure of that check, reported with its cause
-            r = CheckResult(label, status="FAILED", detail=f"{type(exc).__name__}: {exc}")
-            r.failures.append(traceback.format_exc(limit=3))
-            results.append(r)
-    bar.update(len(jobs))
-    bar.close()
+    with Progress(len(jobs), "selftest", enabled=progress) as bar:
+        for i, (label, job) in enumerate(jobs):
+            bar.update(i, label)
+            try:
+                results.append(job())
+            except Exception as exc:  # a crash is a failure of that check, reported with its cause
+                r = CheckResult(label, status="FAILED", detail=f"{type(exc).__name__}: {exc}")
+                r.failures.append(traceback.format_exc(limit=3))
+                results.append(r)
+        bar.update(len(jobs))
     results += skipped
     failed = [r for r in results if r.status == "FAILED"]
     if as_json:

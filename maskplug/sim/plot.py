@@ -40,17 +40,16 @@ def sweep(
     at least the base config's) so that large batches are not starved.
     """
     out: dict[str, list[float]] = {s: [] for s in schedulers}
-    bar = Progress(len(levels), "sweep", stream=stream, enabled=progress)
-    for i, c in enumerate(levels):
-        limit = base.max_batch_tokens
-        if limit is not None:
-            limit = max(limit, 8 * c)
-        cfg = dataclasses.replace(base, concurrency=c, steps=steps, tokenizer=tokenizer, max_batch_tokens=limit)
-        rep = run_demo(cfg, schedulers, progress=False)
-        for s in schedulers:
-            out[s].append(rep.results[s].goodput)
-        bar.update(i + 1, f"concurrency {c}")
-    bar.close()
+    with Progress(len(levels), "sweep", stream=stream, enabled=progress) as bar:
+        for i, c in enumerate(levels):
+            limit = base.max_batch_tokens
+            if limit is not None:
+                limit = max(limit, 8 * c)
+            cfg = dataclasses.replace(base, concurrency=c, steps=steps, tokenizer=tokenizer, max_batch_tokens=limit)
+            rep = run_demo(cfg, schedulers, progress=False)
+            for s in schedulers:
+                out[s].append(rep.results[s].goodput)
+            bar.update(i + 1, f"concurrency {c}")
     return out
 
 

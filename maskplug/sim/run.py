@@ -61,16 +61,15 @@ def run_demo(
     cost = cost if cost is not None else default_cost_model()
     report = DemoReport(config, backend=backend)
     report.setup_s = time.perf_counter() - t0
-    bar = Progress(config.steps * len(schedulers), "demo", stream=stream, enabled=progress)
-    for i, name in enumerate(schedulers):
-        base = i * config.steps
+    with Progress(config.steps * len(schedulers), "demo", stream=stream, enabled=progress) as bar:
+        for i, name in enumerate(schedulers):
+            base = i * config.steps
 
-        def tick(t: int, res: RunResult, base: int = base, name: str = name) -> None:
-            bar.update(base + t + 1, f"{name}: {res.tokens} tokens, {res.valid} valid")
+            def tick(t: int, res: RunResult, base: int = base, name: str = name) -> None:
+                bar.update(base + t + 1, f"{name}: {res.tokens} tokens, {res.valid} valid")
 
-        sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
-        report.results[name] = sim.run()
-    bar.close()
+            sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
+            report.results[name] = sim.run()
     report.run_s = time.perf_counter() - t0 - report.setup_s
     return report
 

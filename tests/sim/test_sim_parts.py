@@ -112,3 +112,13 @@ def test_progress_on_a_terminal_redraws_in_place() -> None:
     assert "\r\x1b[2K" in out
     last = out.rsplit("\r\x1b[2K", 1)[1]
     assert "4/4" in last and "selftest" in last and "kernel torch" in last and "\n" in last
+
+
+def test_progress_gives_the_terminal_back_when_the_work_fails() -> None:
+    term = _Terminal()
+    with pytest.raises(RuntimeError, match="work failed"), Progress(3, "demo", stream=term) as bar:
+        bar.update(1, "first")
+        raise RuntimeError("work failed")
+    out = term.getvalue()
+    assert "1/3" in out
+    assert out.endswith("\x1b[?25h")  # the live display stopped and showed the cursor again
