@@ -1,0 +1,364 @@
+"""The adaptive-verification step, piece by piece, on vLLM's own scheduler-output types (no engine).
+
+* planning: the budget's split into kept drafts and the compacted scheduler
+  output the model runner gets (token counts, draft prefixes, totals), against
+  :func:`maskplug.reference.allocate` and :func:`maskplug.compaction.regime_of`,
+  with vLLM's output left as scheduled;
+* grammar-aware budgets never keep a draft the step's draft masks reject;
+* the outcome reported after sampling, the counters and ``maskplug_step_end``;
+* the mask apply of a compacted step: rows mapped from the scheduled layout,
+  live rows from the kept drafts, against a row-by-row oracle;
+* the cost file, scheduler names and the release check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from maskplug_vllm import adaptive, patches
+from maskplug_vllm.worker import SCHEDULED_SPEC_ATTR, apply_scatter
+from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, SchedulerOutput
+
+from maskplug import (
+    BudgetDecision,
+    BudgetError,
+    CostModel,
+    DraftMasks,
+    PluginError,
+    StepOutcome,
+    StepView,
+    get_registry,
+    hookimpl,
+    reference,
+)
+from maskplug.compaction import regime_of
+from maskplug.schedulers import GoodputScheduler, GrammarAwareScheduler
+
+RUNNER = SimpleNamespace(use_async_scheduling=False, parallel_config=SimpleNamespace(world_size=1))
+
+
+class FixedBudget:
+    """A scheduler that returns a preset budget (clipped to the step's cap) and records what it saw."""
+
+    name = "fixed"
+
+    def __init__(self, budget: int) -> None:
+        self.want = budget
+        self.views: list[StepView] = []
+        self.outcomes: list[StepOutcome] = []
+
+    def budget(self, step: StepView) -> BudgetDecision:
+        self.views.append(step)
+        return step.score(min(self.want, step.cap))
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self.outcomes.append(outcome)
+
+
+def _step(rng: np.random.Generator, max_drafts: int = 5) -> tuple[SchedulerOutput, list[str], np.ndarray, np.ndarray]:
+    n = int(rng.integers(1, 13))
+    ids = [f"req-{int(x)}" for x in rng.permutation(100)[:n]]
+    prefill = rng.random(n) < 0.2
+    nd = np.where(prefill, 0, rng.integers(0, max_drafts + 1, size=n))
+    nn = np.where(prefill, rng.integers(2, 30, size=n), 1)
+    spec = {r: [int(t) for t in rng.integers(0, 500, size=int(d))] for r, d in zip(ids, nd, strict=True) if d}
+    nst = {r: int(a + b) for r, a, b in zip(ids, nn, nd, strict=True)}
+    so = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=nst,
+        total_num_scheduled_tokens=sum(nst.values()),
+        scheduled_spec_decode_tokens=spec,
+        scheduled_encoder_inputs={},
+        finished_req_ids={"gone-1", "gone-2"},
+        free_encoder_mm_hashes=[],
+    )
+    return so, ids, nd.astype(np.int64), nn.astype(np.int64)
+
+
+def test_plan_compacts_the_step_for_the_runner() -> None:
+    rng = np.random.default_rng(0)
+    regimes = set()
+    for _ in range(300):
+        so, ids, nd, nn = _step(rng)
+        total = int(nd.sum())
+        b = int(rng.integers(0, total + 1))
+        sched = FixedBudget(b)
+        ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
+        before = (dict(so.num_scheduled_tokens), {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()})
+        trimmed, plan = ctl.plan(RUNNER, so)
+        # vLLM's scheduler keeps the step as scheduled.
+        assert (so.num_scheduled_tokens, so.scheduled_spec_decode_tokens) == before
+        if total == 0:
+            assert trimmed is so and plan.budget == 0
+            continue
+        assert plan.budget == b
+        cap = plan.capacity
+        # Without beliefs every draft is equally likely: the reference allocation on equal confidences.
+        assert cap.tolist() == reference.allocate(np.ones((len(ids), 5)), nd, b)
+        assert plan.regime == regime_of(plan.layout, b)
+        regimes.add(plan.regime)
+        if b == total:
+            assert trimmed is so
+            continue
+        assert trimmed is not so
+        assert getattr(trimmed, SCHEDULED_SPEC_ATTR) is so.scheduled_spec_decode_tokens
+        for r, c, n_non in zip(ids, cap.tolist(), nn.tolist(), strict=True):
+            assert trimmed.num_scheduled_tokens[r] == n_non + c
+            if c:
+                assert trimmed.scheduled_spec_decode_tokens[r] == so.scheduled_spec_decode_tokens[r][:c]
+            else:
+                assert r not in trimmed.scheduled_spec_decode_tokens
+        assert trimmed.total_num_scheduled_tokens == int(nn.sum()) + b == sum(trimmed.num_scheduled_tokens.values())
+        # Everything else is vLLM's, untouched.
+        for f in dataclasses.fields(SchedulerOutput):
+            if f.name not in {"num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens"}:
+                assert getattr(trimmed, f.name) is getattr(so, f.name), f.name
+    assert regimes == {"full", "partial", "zero"}
+
+
+def _with_grammar(so: SchedulerOutput, gids: list[str], acceptable: list[int], rows: int) -> GrammarOutput:
+    go = GrammarOutput(gids, np.full((rows, 16), -1, dtype=np.int32), None)
+    g = len(gids)
+    dm = DraftMasks(
+        request=np.arange(g, dtype=np.int64),
+        acceptable=np.asarray(acceptable, dtype=np.int64),
+        forced=np.zeros((g, 6), dtype=bool),
+    )
+    setattr(go, adaptive._DRAFT_MASKS_ON_OUTPUT, dm)
+    setattr(so, adaptive._GRAMMAR_ATTR, go)
+    return go
+
+
+def test_grammar_aware_budget_keeps_only_drafts_the_grammar_accepts() -> None:
+    rng = np.random.default_rng(1)
+    checked = 0
+    for _ in range(200):
+        so, ids, nd, _ = _step(rng)
+        gsel = [i for i in range(len(ids)) if rng.random() < 0.6]
+        gids = [ids[i] for i in gsel]
+        acc = [int(rng.integers(0, nd[i] + 1)) for i in gsel]
+        _with_grammar(so, gids, acc, sum(1 + int(nd[i]) for i in gsel))
+        inner = FixedBudget(int(nd.sum()))
+        ctl = adaptive._Controller(GrammarAwareScheduler(inner), "grammar-aware:fixed", CostModel.linear())
+        _, plan = ctl.plan(RUNNER, so)
+        if not int(nd.sum()):
+            continue
+        view = inner.views[-1]
+        # The draft masks reached the scheduler in batch indices.
+        assert view.grammar is not None and view.grammar.request.tolist() == gsel
+        for i, a in zip(gsel, acc, strict=True):
+            assert plan.capacity[i] <= a
+        assert plan.structured == any(nd[i] > 0 for i in gsel)
+        checked += 1
+    assert checked > 100
+
+
+def test_finish_reports_the_outcome_counts_and_fires_the_hook() -> None:
+    calls: list[dict[str, Any]] = []
+
+    class Hook:
+        @hookimpl
+        def maskplug_step_end(self, stats: dict[str, Any]) -> None:
+            calls.append(stats)
+
+    hook = Hook()
+    get_registry().add_plugin(hook, "adaptive-unit-hook")
+    try:
+        rng = np.random.default_rng(2)
+        sched = FixedBudget(0)
+        ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
+        expect_acc = expect_ver = expect_sched = 0
+        for step in range(50):
+            so, ids, nd, _ = _step(rng)
+            sched.want = int(rng.integers(0, int(nd.sum()) + 1))
+            gids = ids[: len(ids) // 2]
+            _with_grammar(
+                so, gids, [int(nd[i]) for i in range(len(gids))], sum(1 + int(nd[i]) for i in range(len(gids)))
+            )
+            _, plan = ctl.plan(RUNNER, so)
+            order = list(rng.permutation(len(ids)))
+            sampled = [[] for _ in ids]
+            acc = np.zeros(len(ids), dtype=np.int64)
+            for i in range(len(ids)):
+                acc[i] = int(rng.integers(0, plan.capacity[i] + 1))
+                sampled[order[i]] = [7] * (int(acc[i]) + 1)
+            out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={r: order[i] for i, r in enumerate(ids)})
+            ctl.finish(plan, out)
+            o = sched.outcomes[-1]
+            assert o.req_ids.tolist() == ids
+            assert o.verified.tolist() == plan.capacity.tolist() and o.accepted.tolist() == acc.tolist()
+            assert sorted(o.finished.tolist()) == ["gone-1", "gone-2"]
+            expect_acc += int(acc.sum())
+            expect_ver += plan.budget
+            expect_sched += int(nd.sum())
+            assert len(calls) == step + 1 and calls[-1]["budget"] == plan.budget
+        st = ctl.stats
+        assert st["steps"] == 50
+        assert (st["drafts_scheduled"], st["drafts_verified"], st["drafts_accepted"]) == (
+            expect_sched,
+            expect_ver,
+            expect_acc,
+        )
+        assert sum(st["regimes"].values()) == st["structured_steps"] == sum(1 for c in calls if c["structured"])
+    finally:
+        get_registry().pm.unregister(hook)
+
+
+def test_goodput_learns_from_the_engine_outcomes() -> None:
+    """Requests whose drafts are always rejected get budget 0 after a few steps; the finished are forgotten."""
+    sched = GoodputScheduler(alpha=0.5)
+    ctl = adaptive._Controller(sched, "goodput", CostModel.linear(verify_base_ms=1.0, verify_per_token_ms=0.5))
+    rng = np.random.default_rng(3)
+    budgets = []
+    for _ in range(12):
+        so, ids, _, _ = _step(rng)
+        _, plan = ctl.plan(RUNNER, so)
+        out = SimpleNamespace(sampled_token_ids=[[1] for _ in ids], req_id_to_index={r: i for i, r in enumerate(ids)})
+        ctl.finish(plan, out)
+        budgets.append(plan.budget)
+    assert budgets[-1] == 0 and max(budgets) > 0
+    fin = StepOutcome(
+        req_ids=np.zeros(0, dtype=str), verified=[], accepted=[], finished=np.asarray([f"req-{i}" for i in range(100)])
+    )
+    sched.observe(fin)
+    assert sched._ids.keys.size == 0
+
+
+def _oracle(
+    logits: torch.Tensor,
+    bitmask: np.ndarray,
+    batch: list[str],
+    gids: list[str],
+    nd: dict[str, int],
+    cap: dict[str, int],
+) -> torch.Tensor:
+    """Row by row: grammar request g's mask row p (rows laid out for the scheduled drafts) masks logits row p of
+    its request (rows laid out for the kept drafts), for p up to its kept drafts; nothing else is touched."""
+    out = logits.clone()
+    start = {}
+    row = 0
+    for g in gids:
+        start[g] = row
+        row += 1 + nd[g]
+    cu = {}
+    row = 0
+    for r in batch:
+        cu[r] = row
+        row += 1 + cap[r]
+    for g in gids:
+        if g not in cu:
+            continue
+        for p in range(cap[g] + 1):
+            mrow = bitmask[start[g] + p].tolist()
+            for t in range(out.shape[1]):
+                if not reference.token_allowed(mrow, t):
+                    out[cu[g] + p, t] = float("-inf")
+    return out
+
+
+def test_apply_scatter_of_a_compacted_step_matches_the_oracle() -> None:
+    rng = np.random.default_rng(4)
+    vocab = 64
+    for _ in range(120):
+        so, ids, ndv, _ = _step(rng)
+        nd = dict(zip(ids, ndv.tolist(), strict=True))
+        cap = {r: int(rng.integers(0, nd[r] + 1)) for r in ids}
+        gids = [r for r in rng.permutation(ids).tolist() if rng.random() < 0.7]
+        rows = sum(1 + nd[g] for g in gids)
+        bitmask = rng.integers(-(2**31), 2**31, size=(rows, vocab // 32), dtype=np.int64).astype(np.int32)
+        kept = {r: so.scheduled_spec_decode_tokens[r][: cap[r]] for r in ids if cap[r]}
+        trimmed = dataclasses.replace(so, scheduled_spec_decode_tokens=kept)
+        setattr(trimmed, SCHEDULED_SPEC_ATTR, so.scheduled_spec_decode_tokens)
+        batch = rng.permutation(ids).tolist()
+        logits = torch.from_numpy(rng.standard_normal((sum(1 + cap[r] for r in batch), vocab)).astype(np.float32))
+        expect = _oracle(logits, bitmask, batch, gids, nd, cap)
+        apply_scatter(trimmed, GrammarOutput(gids, bitmask), SimpleNamespace(req_ids=batch), logits)
+        assert torch.equal(logits, expect)
+
+
+def test_load_cost_model(tmp_path: Path) -> None:
+    f = tmp_path / "cost.json"
+    f.write_text(
+        json.dumps({"verify": [[1, 4.0], [64, 6.0], [256, 14.0]], "draft": [[1, 0.2], [64, 1.0]], "device": "cpu"})
+    )
+    cost = adaptive.load_cost_model(f)
+    ref = CostModel.from_curves([(1, 0.2), (64, 1.0)], [(1, 4.0), (64, 6.0), (256, 14.0)], 1024, 16384)
+    sizes = np.arange(0, 600)
+    assert np.array_equal(cost.verify_ms(sizes), ref.verify_ms(sizes))
+    assert np.array_equal(cost.draft_ms(sizes), ref.draft_ms(sizes))
+    f.write_text(json.dumps({"verify": [[1, 4.0], [8, 5.0]]}))
+    assert adaptive.load_cost_model(f).draft_ms(10) == 0.0
+    for bad, needle in [
+        ("{", "parse error"),
+        (json.dumps([1, 2]), "JSON object"),
+        (json.dumps({"draft": [[1, 1.0]]}), "'verify'"),
+        (json.dumps({"verify": [[1, "x"]]}), "'verify'"),
+        (json.dumps({"verify": []}), "'verify'"),
+        (json.dumps({"verify": [[1, 2.0], [2, -1.0]]}), "non-negative"),
+            (json.dumps({"verify": [[1, 0.0]]}), "positive time"),
+        (json.dumps({"verify": [[1, 1.0]], "graph_limit": -2}), "graph_limit"),
+    ]:
+        f.write_text(bad)
+        with pytest.raises(BudgetError, match=needle) as exc:
+            adaptive.load_cost_model(f)
+        assert "MASKPLUG_VLLM_COST" in str(exc.value)
+    with pytest.raises(BudgetError, match="readable"):
+        adaptive.load_cost_model(tmp_path / "missing.json")
+    # The fallback without a file.
+    d = adaptive.default_cost_model()
+    assert d.verify_ms(0) == adaptive.DEFAULT_COST["verify_base_ms"]
+
+
+def test_scheduler_names() -> None:
+    s = adaptive.make_scheduler("grammar-aware:goodput")
+    assert isinstance(s, GrammarAwareScheduler) and isinstance(s.inner, GoodputScheduler)
+    assert isinstance(adaptive.make_scheduler(" goodput "), GoodputScheduler)
+    for bad in ["", "nope", "grammar-aware:nope", "goodput:verify-all", "grammar-aware:"]:
+        with pytest.raises(PluginError, match=r"MASKPLUG_VLLM_SCHEDULER|registered"):
+            adaptive.make_scheduler(bad)
+
+
+def test_install_refuses_untested_releases_and_a_missing_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patches, "vllm_version", lambda: "0.33.0")
+    with pytest.raises(PluginError, match=r"MASKPLUG_VLLM_SCHEDULER.*0\.32\.0.*got 0\.33\.0"):
+        adaptive.install_adaptive("goodput")
+    monkeypatch.undo()
+    assert not patches.installed()
+    with pytest.raises(PluginError, match="MASKPLUG_VLLM=1"):
+        adaptive.install_adaptive("goodput")
+    with pytest.raises(PluginError, match="not installed"):
+        adaptive.set_scheduler("goodput")
+
+
+def test_install_and_switch_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import maskplug_vllm
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    originals = (Scheduler.schedule, GPUModelRunner.execute_model, GPUModelRunner.sample_tokens)
+    monkeypatch.setenv("MASKPLUG_VLLM", "1")
+    monkeypatch.setenv("MASKPLUG_VLLM_SCHEDULER", "grammar-aware:goodput")
+    try:
+        maskplug_vllm.register()
+        assert maskplug_vllm.adaptive_installed()
+        assert isinstance(maskplug_vllm.current_scheduler(), GrammarAwareScheduler)
+        assert Scheduler.schedule is not originals[0] and GPUModelRunner.execute_model is not originals[1]
+        maskplug_vllm.set_scheduler("verify-all")
+        assert maskplug_vllm.step_stats()["scheduler"] == "verify-all"
+        obj = FixedBudget(1)
+        maskplug_vllm.set_scheduler(obj)
+        assert maskplug_vllm.current_scheduler() is obj
+        with pytest.raises(PluginError):
+            maskplug_vllm.set_scheduler("nope")
+    finally:
+        maskplug_vllm.uninstall()
+    assert (Scheduler.schedule, GPUModelRunner.execute_model, GPUModelRunner.sample_tokens) == originals
+    assert not maskplug_vllm.adaptive_installed() and maskplug_vllm.step_stats()["scheduler"] is None
