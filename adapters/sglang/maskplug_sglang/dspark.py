@@ -464,6 +464,13 @@ class DSparkBudgetPlanner:
                     f"confidence: expected shape ({n}, >= {self.max_drafts}) (requests × drafts), got {c.shape}"
                 )
             conf = c[:, : self.max_drafts]
+        if grammar is not None and self.max_drafts < self.gamma:
+            # SGLang's max_verify_len keeps the drafts past it out of every step.
+            grammar = DraftMasks(
+                request=np.asarray(grammar.request),
+                acceptable=np.minimum(np.asarray(grammar.acceptable), self.max_drafts),
+                forced=np.asarray(grammar.forced)[:, : self.max_drafts + 1],
+            )
         return StepView(layout, self.cost, confidences=conf, grammar=grammar, max_logits=max_logits)
 
     def plan(

@@ -124,3 +124,15 @@ def test_cost_from_sps_tables_matches_sglangs_step_time() -> None:
             assert cost.draft_ms(bs) + cost.verify_ms(m) == pytest.approx(1000.0 * float(want))
     with pytest.raises(BudgetError, match="table"):
         cost_from_sps_table({"sps": 1}, 4, 4)
+
+
+@pytest.mark.parametrize("scheduler", ["grammar-aware:dspark", "verify-all", "dspark"])
+def test_max_verify_len_bounds_the_plan(scheduler: str) -> None:
+    """SGLang's ``max_verify_len`` below ``gamma + 1``: the scheduler sees only the drafts it allows."""
+    planner = DSparkBudgetPlanner(scheduler, gamma=5, max_verify_len=3)
+    dm = DraftMasks(request=np.array([0, 1]), acceptable=np.array([5, 1]), forced=np.ones((2, 6), dtype=bool))
+    conf = torch.full((3, 5), 0.9)
+    plan = planner.plan(["a", "b", "c"], conf, grammar=dm)
+    lens = plan.verify_lens.tolist()
+    assert max(lens) <= 3 and lens[1] <= 2
+    assert plan.budget <= 3 * 2
