@@ -10,8 +10,11 @@ below. The modules:
   :class:`GrammarProvider`, :class:`BatchOps` and :class:`ChainOps`;
 * :mod:`~maskplug.grammar.registry`: :func:`grammar_provider` and
   :func:`grammar_providers`;
-* :mod:`~maskplug.grammar.sdk`: what a provider distribution builds on (bases,
-  argument checks, fixed rows, thread pools);
+* :mod:`~maskplug.grammar.sdk`: what a provider distribution builds on, from
+  :mod:`~maskplug.grammar.bases` (provider, matcher and batch bases),
+  :mod:`~maskplug.grammar.checks` (argument checks, spec-source readers),
+  :mod:`~maskplug.grammar.rows` (fixed mask rows) and
+  :mod:`~maskplug.grammar.pools` (thread pools);
 * :mod:`~maskplug.grammar.draft`: draft-row filling and commit;
 * :mod:`~maskplug.grammar.vocabs`: vocabularies from tokenizer files (and the
   real ones in the ``mistral-common`` wheel).

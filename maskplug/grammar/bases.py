@@ -74,11 +74,16 @@ class CompileCache:
             self._items.clear()
 
 
-class ProviderBase:
+_G = TypeVar("_G", bound=CompiledGrammar)
+
+
+class ProviderBase(Generic[_G]):
     """A convenience base for providers: kind checks and the compile cache.
 
     Subclasses set ``name`` and ``kinds`` and implement :meth:`_compile`,
     which raises :class:`GrammarError` with the engine's reason on failure.
+    The type parameter is the provider's compiled-grammar class, so
+    ``compile`` is typed with it (``ProviderBase[MyGrammar]``).
     """
 
     name: ClassVar[str] = ""
@@ -94,7 +99,7 @@ class ProviderBase:
         """Whether this provider compiles specs of ``kind``."""
         return kind in self.kinds
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, spec: GrammarSpec) -> _G:
         """Compile ``spec`` for this provider's vocabulary (cached; failures are not)."""
         if not isinstance(spec, GrammarSpec):
             raise GrammarError(f"spec: expected a GrammarSpec, got {type(spec).__name__}")
@@ -102,7 +107,7 @@ class ProviderBase:
             raise GrammarError(f"spec.kind: provider {self.name!r} supports {sorted(self.kinds)}, got {spec.kind!r}")
         return self.cache.get_or_compile(spec, self._compile)  # type: ignore[no-any-return]
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def _compile(self, spec: GrammarSpec) -> _G:
         raise NotImplementedError
 
 

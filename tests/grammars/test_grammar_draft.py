@@ -36,7 +36,10 @@ def _make_case(provider: str, vocab_name: str, rng: random.Random, n_req: int, m
     grammar = [i for i in range(n_req) if rng.random() < 0.8] or [0]
     rng.shuffle(grammar)
     stride = max(num_drafts[i] for i in grammar) + num_bonus + rng.randint(0, 2)
-    rows = GrammarRows([req_ids[i] for i in grammar], mode=mode, stride=stride if mode == "fixed" else None)
+    fixed = mode == "fixed"
+    rows = GrammarRows(
+        [req_ids[i] for i in grammar], mode="fixed" if fixed else "ragged", stride=stride if fixed else None
+    )
     matchers, drafts, gates = [], [], []
     for i in grammar:
         spec = GrammarSpec("regex", rng.choice(REGEXES))

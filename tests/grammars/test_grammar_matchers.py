@@ -8,6 +8,7 @@ width and padding, ids outside the vocabulary) has a test here.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_bad_buffers_and_ids_raise_and_touch_nothing(provider: str) -> None:
     m = c.matcher()
     before = state_of(m, v, [5, 6])
     good = torch.zeros(4, v.mask_words, dtype=torch.int32)
-    bad_buffers = [
+    bad_buffers: list[Any] = [
         torch.zeros(2, v.mask_words + 1, dtype=torch.int32),  # too wide
         torch.zeros(2, v.mask_words - 1, dtype=torch.int32),  # too narrow
         torch.zeros(2, v.mask_words, dtype=torch.int64),

@@ -142,7 +142,7 @@ class PrefixOps(ChainOpsBase[PrefixMatcher]):
         return out
 
 
-class PrefixProvider(ProviderBase):
+class PrefixProvider(ProviderBase[PrefixGrammar]):
     name = "sdk-prefix"
     kinds = frozenset({"choice"})
 
@@ -162,9 +162,7 @@ def _provider() -> PrefixProvider:
 
 
 def _compiled(p: PrefixProvider) -> PrefixGrammar:
-    c = p.compile(GrammarSpec("choice", WORDS))
-    assert isinstance(c, PrefixGrammar)
-    return c
+    return p.compile(GrammarSpec("choice", WORDS))
 
 
 def test_the_sdk_provider_satisfies_the_protocols() -> None:

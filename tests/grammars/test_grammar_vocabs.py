@@ -25,7 +25,7 @@ from maskplug.grammar.vocabs import (
 # Text that exercises spaces, newlines, tabs, punctuation, accents, CJK and emoji.
 TEXT = st.text(
     alphabet=st.sampled_from(list("abcxyzABC019 \n\t{}[]\":,.-_'ééüß日本語🚀\u00a0"))
-    | st.characters(exclude_categories=("Cs",)),
+    | st.characters(exclude_categories=["Cs"]),
     max_size=60,
 )
 
@@ -118,7 +118,7 @@ def test_tokenizer_json_byte_level(byte_level_json: str) -> None:
     assert v.eos_ids == (tok.token_to_id("<|endoftext|>"),)
     assert tok.token_to_id("<pad>") in v.special_ids
     user = tok.token_to_id("<user text>")
-    assert user not in v.special_ids and v.tokens[user] == b"<user text>"
+    assert user is not None and user not in v.special_ids and v.tokens[user] == b"<user text>"
     table = bytes_to_unicode()
     assert sorted(table) == list(range(256)) and len(set(table.values())) == 256
     for text in ["", "hello", '{"id": 12, "name": "x"}', "naïve café 日本 🚀\n\t  x", "<user text> ok"]:

@@ -19,6 +19,13 @@ NAME = "llguidance"
 SCHEMAS = dict(load_schemas())
 
 
+def _registered(v: Vocab) -> LLGuidanceProvider:
+    """The registered llguidance provider for ``v``."""
+    p = grammar_provider(NAME, v)
+    assert isinstance(p, LLGuidanceProvider)
+    return p
+
+
 def test_registered_with_every_kind() -> None:
     assert NAME in grammar_providers()
     p = grammar_provider(NAME, small_vocab())
@@ -78,7 +85,7 @@ def test_bad_specs_raise_grammar_error_and_are_not_cached(spec: GrammarSpec, nee
 
 def test_compile_cache_per_provider_and_spec() -> None:
     v = small_vocab()
-    p = grammar_provider(NAME, v)
+    p = _registered(v)
     a = p.compile(GrammarSpec("regex", "a+b"))
     assert p.compile(GrammarSpec("regex", "a+b")) is a and p.cache.hits >= 1
     assert p.compile(GrammarSpec("lark", 'start: "a"')) is not a
@@ -124,7 +131,7 @@ def test_engine_refusal_after_a_mask_allowed_token_is_recovered() -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    m.engine = Refusing(m.engine)
+    m.engine = Refusing(m.engine)  # type: ignore[assignment]  # a stand-in engine, on purpose
     assert not m.accept(one)
     assert isinstance(m.engine, llguidance.LLMatcher) and not m.engine.is_error()
     assert m.num_accepted == 1 and allowed(m, v) == before
@@ -135,7 +142,7 @@ def test_accept_agrees_with_the_canonical_mask() -> None:
     """llguidance's mask keeps forced text canonical while its consume_token takes other spellings."""
     v = mistral_sentencepiece()
     schema = SCHEMAS["weather_tool_call"]
-    g = grammar_provider(NAME, v).compile(GrammarSpec("json_schema", schema))
+    g = _registered(v).compile(GrammarSpec("json_schema", schema))
     tok = g.provider.tokenizer
     prefix = tok.tokenize_str('{"name":"')
     m = g.matcher()
@@ -220,7 +227,7 @@ def test_fork_reset_validate() -> None:
 def test_batch_fill_matches_one_by_one() -> None:
     """The executor's parallel fill writes exactly what each matcher's own fill writes."""
     v = mistral_sentencepiece()
-    p = grammar_provider(NAME, v)
+    p = _registered(v)
     tok = p.tokenizer
     schema = SCHEMAS["order"]
     doc = '{"order_id":"ORD-123456","items":[{"sku":"a b","qty":3,"price":9.5}],"paid":true,"currency":"EUR"}'
@@ -264,7 +271,7 @@ def test_batch_fill_matches_one_by_one() -> None:
 def test_batch_accept_and_rollback_match_one_by_one() -> None:
     """The executor's parallel consume gives the results and states of each matcher's own accept."""
     v = mistral_sentencepiece()
-    p = grammar_provider(NAME, v)
+    p = _registered(v)
     schema = SCHEMAS["order"]
     doc = '{"order_id":"ORD-123456","items":[{"sku":"a b","qty":3,"price":9.5}],"paid":true,"currency":"EUR"}'
     ids = p.tokenizer.tokenize_str(doc)
@@ -285,8 +292,8 @@ def test_batch_accept_and_rollback_match_one_by_one() -> None:
     got = p.batch_ops.accept(ms, toks)
     want = [t.accept(tok) for t, tok in zip(twins, toks, strict=True)]
     assert got == want and any(got) and not all(got)
-    for m, t in zip(ms, twins, strict=True):
-        assert m.num_accepted == t.num_accepted and allowed(m, v) == allowed(t, v)
+    for m, twin in zip(ms, twins, strict=True):
+        assert m.num_accepted == twin.num_accepted and allowed(m, v) == allowed(twin, v)
     p.batch_ops.rollback(ms, [int(x) for x in got])
     for k, m in enumerate(ms):
         assert m.num_accepted == k * len(ids) // 16

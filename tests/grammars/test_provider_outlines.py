@@ -112,6 +112,7 @@ def test_buffer_sized_from_vocab_size_loses_no_id() -> None:
     # short of the largest id, and a buffer sized from it drops the top ids.
     v = mistral_tekken()
     p = grammar_provider(NAME, v)
+    assert isinstance(p, OutlinesProvider)
     g = p.compile(GrammarSpec("regex", "[a-z]+"))
     truth = set(g.index.get_allowed_tokens(g.index.get_initial_state()))
     assert max(truth) >= v.vocab_size - 1000

@@ -5,11 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 from grammar_testkit import allowed_ids, vocab
+from maskplug_xgrammar import XGrammarProvider
 
-from maskplug import GrammarError, GrammarSpec, grammar_provider, grammar_providers
+from maskplug import GrammarError, GrammarSpec, Vocab, grammar_provider, grammar_providers
 
 xgr = pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.skipif("xgrammar" not in grammar_providers(), reason="maskplug-xgrammar is not installed")
+
+
+def _registered(v: Vocab) -> XGrammarProvider:
+    """The registered xgrammar provider for ``v``."""
+    p = grammar_provider("xgrammar", v)
+    assert isinstance(p, XGrammarProvider)
+    return p
 
 
 def _ids(v, text: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -37,7 +45,7 @@ def test_raw_xgrammar_treats_literal_special_text_as_grammar_text() -> None:
 
 def test_raw_rollback_and_wrapper_rollback_agree_on_the_stop_token() -> None:
     v = vocab("spm")
-    p = grammar_provider("xgrammar", v)
+    p = _registered(v)
     c = p.compile(GrammarSpec("regex", "ab"))
     m = c.matcher()
     for t in _ids(v, "ab"):
@@ -55,7 +63,7 @@ def test_raw_rollback_and_wrapper_rollback_agree_on_the_stop_token() -> None:
 
 def test_raw_errors_are_runtime_errors_wrapper_raises_grammar_error() -> None:
     v = vocab("spm")
-    c = grammar_provider("xgrammar", v).compile(GrammarSpec("regex", "ab"))
+    c = _registered(v).compile(GrammarSpec("regex", "ab"))
     wide = torch.zeros(1, v.mask_words + 1, dtype=torch.int32)
     with pytest.raises(RuntimeError):
         xgr.GrammarMatcher(c.raw).fill_next_token_bitmask(wide, 0)

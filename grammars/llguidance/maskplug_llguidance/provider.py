@@ -354,7 +354,7 @@ class LLGuidanceBatchOps(ChainOpsBase[LLGuidanceMatcher]):
         return out
 
 
-class LLGuidanceProvider(ProviderBase):
+class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
     """llguidance bound to one :class:`~maskplug.grammar.Vocab`; supports every spec kind.
 
     ``ebnf`` takes GBNF (``root ::= ...``, as llama.cpp and xgrammar write it)

@@ -403,7 +403,7 @@ class OutlinesBatchOps(ChainOpsBase[OutlinesMatcher]):
                 m._rollback(took)
 
 
-class OutlinesProvider(ProviderBase):
+class OutlinesProvider(ProviderBase[OutlinesGrammar]):
     """outlines-core bound to one :class:`~maskplug.grammar.Vocab`.
 
     Supports ``regex``, ``json_schema`` and ``choice``. ``ebnf`` and ``lark``

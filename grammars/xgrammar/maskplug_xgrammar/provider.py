@@ -253,7 +253,7 @@ class XGrammarBatchOps(ChainOpsBase[XGrammarMatcher]):
             xgr.BatchGrammarMatcher.batch_rollback(raw, ks)
 
 
-class XGrammarProvider(ProviderBase):
+class XGrammarProvider(ProviderBase[XGrammarGrammar]):
     """xgrammar bound to one vocabulary; compiles every spec kind of :data:`maskplug.grammar.SPEC_KINDS`."""
 
     name = "xgrammar"
