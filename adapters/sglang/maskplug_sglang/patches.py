@@ -9,7 +9,7 @@ attributes, and nothing else:
 attribute                                                                   replaced by
 ==========================================================================  ===============================================
 ``DSparkWorkerV2._forward_decode``                                          the same step, with maskplug's step record
-                                                                            open (and the scheduler told the outcome)
+                                                                            open (its outcome queued for the scheduler)
 ``DraftBlockProposer.propose``                                              the same, noting the step's verify chain
 ``DSparkVerifyPlanner.resolve_verify_token_budget``                         the budget of a maskplug scheduler
 ``DSparkVerifyPlanner.schedule_layout``                                     SGLang's own, on grammar-corrected confidences
@@ -61,6 +61,7 @@ __all__ = [
     "DecodeStep",
     "current_step",
     "enabled_by_env",
+    "flush_observations",
     "install",
     "installed",
     "uninstall",
@@ -155,19 +156,34 @@ def make_forward_decode(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def observe_step(step: DecodeStep, result: Any) -> None:
-    """Tell the step's scheduler what verification accepted (``accept_lens - 1`` per request)."""
+    """Queue what verification accepted for the step's scheduler (``accept_lens - 1`` per request).
+
+    The scheduler is told at the start of the next planned step
+    (:func:`flush_observations`): reading ``accept_lens`` here would wait for
+    the device and break SGLang's overlap of host and device work; by the
+    next step the previous outcome is on its way to the host anyway.
+    """
     if step.plan is None or step.planner is None:
         return
     lens = getattr(result, "accept_lens", None)
     if lens is None:
         return
+    step.planner._maskplug_pending = (step.plan, lens)  # type: ignore[attr-defined]
+
+
+def flush_observations(planner: DSparkBudgetPlanner) -> None:
+    """Hand a planner's queued outcome (if any) to its scheduler."""
+    pending = getattr(planner, "_maskplug_pending", None)
+    if pending is None:
+        return
+    planner._maskplug_pending = None  # type: ignore[attr-defined]
+    plan, lens = pending
     accepted = torch.as_tensor(lens).detach().to("cpu", torch.int64) - 1
-    accepted = torch.minimum(accepted.clamp(min=0), step.plan.verify_lens.detach().cpu().to(torch.int64) - 1)
-    planner = step.planner
-    ids = set(step.plan.req_ids)
-    # Requests of the previous step that left the batch have finished (or were retracted).
+    accepted = torch.minimum(accepted.clamp(min=0), plan.verify_lens.detach().cpu().to(torch.int64) - 1)
+    ids = set(plan.req_ids)
+    # Requests of the step before that left the batch have finished (or were retracted).
     gone = [r for r in getattr(planner, "_maskplug_last_ids", set()) if r not in ids]
-    planner.observe(step.plan, accepted.numpy(), finished=gone)
+    planner.observe(plan, accepted.numpy(), finished=gone)
     planner._maskplug_last_ids = ids  # type: ignore[attr-defined]
 
 
@@ -229,6 +245,7 @@ def make_resolve_budget(orig: Callable[..., Any]) -> Callable[..., Any]:
                 req_pool_indices=req_pool_indices,
             )
         planner = planner_for(self)
+        flush_observations(planner)
         step.planner = planner
         grammars = [getattr(r, "grammar", None) for r in step.reqs]
         live = [g for g in grammars if g is not None and not g.is_terminated()]

@@ -269,7 +269,10 @@ def decode_step(bpe_backends: tuple[Any, Any], scheduler: str, seed: int) -> Non
     same_outcome(ours, theirs)
     assert torch.equal(seen["correct_len"], ours["correct_len"]) and torch.equal(seen["bonus"], ours["bonus"])
 
-    # The scheduler was told what verification accepted.
+    # The outcome is queued, and handed to the scheduler when the next step is planned.
+    assert mine._maskplug_pending is not None
+    patches.flush_observations(mine)
+    assert mine._maskplug_pending is None
     if scheduler.endswith("goodput"):
         sched = mine.scheduler.inner if scheduler.startswith("grammar-aware") else mine.scheduler
         est = sched.estimates([r.rid for r in reqs], gamma)
