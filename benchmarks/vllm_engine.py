@@ -1,0 +1,312 @@
+"""vLLM's CPU engine end to end: no speculation, vLLM's fixed K, and maskplug's adaptive verification.
+
+Runs in the vLLM environment (``adapters/.venv-vllm``, made by
+``make -C adapters test-vllm``)::
+
+    adapters/.venv-vllm/bin/python benchmarks/vllm_engine.py [--concurrency 1,8,32,64] [--requests-per-slot 2]
+
+One run measures, on one structured workload (greedy; JSON-schema and regex
+requests from maskplug's bundled schemas, ``--max-tokens`` each), output
+tokens per second and the mean engine-step time at each concurrency, for:
+
+* ``no-spec``: vLLM without speculative decoding;
+* ``K=1``, ``K=3``, ``K=5``: vLLM's n-gram speculative decoding verifying
+  every draft (vLLM's own xgrammar backend, as users run it today);
+* ``goodput`` and ``grammar-aware:goodput``: one engine with n-gram drafting
+  of up to 5 tokens and ``MASKPLUG_VLLM=1``, the verify budget chosen every
+  step by the maskplug scheduler (switched in place), with the cost curve
+  measured first by ``python -m maskplug_vllm.calibrate`` on the same model.
+
+Every engine compiles the workload's grammars once before anything is
+timed. Concurrency ``c`` is a closed loop: ``c`` requests in flight, the next one
+added as soon as one finishes, ``requests-per-slot × c`` requests in all
+(at least 4). Every engine runs in its own process (vLLM loads its plugins
+once per process) and warms up at each concurrency with short requests
+before it is timed. The model is a Llama with random weights
+(``load_format="dummy"``) sized so that verifying more tokens costs
+measurably more (``--hidden``/``--layers``); its cost curve is printed with
+the results. The mean step time counts the steps that ran the model. With
+``--rounds R`` every engine runs R times, round after round, and each cell
+keeps its fastest round (other work on the machine only ever slows a run).
+``--json`` writes everything measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BASELINES = {"no-spec": 0, "K=1": 1, "K=3": 3, "K=5": 5}
+ADAPTIVE = ["goodput", "grammar-aware:goodput"]
+MAX_SPEC = 5
+
+
+def _engine_kwargs(model: str, spec: int, max_num_seqs: int) -> dict[str, Any]:
+    kw: dict[str, Any] = {
+        "model": model,
+        "tokenizer": model,
+        "load_format": "dummy",
+        "dtype": "float32",
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 512,
+        "max_num_seqs": max_num_seqs,
+        "seed": 0,
+        "structured_outputs_config": {"backend": "xgrammar"},
+    }
+    if spec:
+        kw["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": spec,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        }
+    return kw
+
+
+def _structured_workload(n: int, seed: int) -> list[dict[str, Any]]:
+    from maskplug_vllm.demo import workload
+
+    # Only the structured requests of the demo's mix (JSON schema and regex, two to one).
+    out = [r for r in workload(2 * n + 8, seed=seed) if r["kind"] != "free"]
+    return out[:n]
+
+
+def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: int, tag: str) -> dict[str, Any]:
+    from maskplug_vllm.demo import sampling_params
+
+    pending = list(enumerate(reqs))
+    in_flight = 0
+    tokens = steps = model_steps = 0
+    step_s = model_step_s = 0.0
+    finish: dict[str, int] = {}
+
+    def submit() -> None:
+        nonlocal in_flight
+        while pending and in_flight < c:
+            i, r = pending.pop(0)
+            engine.add_request(f"{tag}-{i}", r["prompt"], sampling_params(r, max_tokens))
+            in_flight += 1
+
+    t0 = time.perf_counter()
+    submit()
+    while in_flight or pending:
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        step_s += dt
+        steps += 1
+        if outs:  # the model ran (a step that only waits for grammar compilation returns nothing)
+            model_steps += 1
+            model_step_s += dt
+        for o in outs:
+            if o.finished:
+                in_flight -= 1
+                tokens += len(o.outputs[0].token_ids)
+                reason = str(o.outputs[0].finish_reason)
+                finish[reason] = finish.get(reason, 0) + 1
+        submit()
+    wall = time.perf_counter() - t0
+    return {
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "steps": steps,
+        "model_steps": model_steps,
+        "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
+        "mean_step_ms_all": 1e3 * step_s / max(1, steps),
+        "finish_reasons": finish,
+    }
+
+
+def child(spec_json: str) -> None:
+    """One engine configuration in this process; prints one JSON line of results."""
+    cfg = json.loads(spec_json)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    for k in [k for k in os.environ if k.startswith("MASKPLUG_VLLM")]:
+        del os.environ[k]
+    if cfg["schedulers"]:
+        os.environ["MASKPLUG_VLLM"] = "1"
+        os.environ["MASKPLUG_VLLM_SCHEDULER"] = cfg["schedulers"][0]
+        os.environ["MASKPLUG_VLLM_COST"] = cfg["cost"]
+    from vllm import LLM
+
+    llm = LLM(**_engine_kwargs(cfg["model"], cfg["spec"], max(cfg["concurrency"])))
+    engine = llm.llm_engine
+    # Compile every grammar of the workload once (vLLM caches compiled grammars), so no timed
+    # run waits for a compilation.
+    _closed_loop(engine, _structured_workload(64, seed=0), 64, 2, "compile")
+    results: list[dict[str, Any]] = []
+    names = cfg["schedulers"] or [None]
+    for name in names:
+        if name is not None:
+            import maskplug_vllm
+
+            maskplug_vllm.set_scheduler(name)
+        for c in cfg["concurrency"]:
+            n = max(4, cfg["requests_per_slot"] * c)
+            # Warm-up at this batch size (shapes, grammar caches), not timed.
+            _closed_loop(engine, _structured_workload(c, seed=1000 + c), c, 6, f"warm-{name}-{c}")
+            if name is not None:
+                maskplug_vllm.reset_step_stats()
+            res = _closed_loop(engine, _structured_workload(n, seed=c), c, cfg["max_tokens"], f"run-{name}-{c}")
+            res.update(config=name or cfg["label"], concurrency=c)
+            if name is not None:
+                res["stats"] = maskplug_vllm.step_stats()
+            results.append(res)
+            print(
+                f"# {res['config']:<22} c={c:<3} {res['tokens_per_s']:8.1f} tok/s {res['mean_step_ms']:8.1f} ms/step",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(json.dumps(results))
+
+
+def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    for line in proc.stderr.splitlines():
+        if line.startswith("# "):
+            print(line[2:], flush=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"engine {cfg['label']} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _calibrate(model: str, out: Path, max_num_seqs: int) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "maskplug_vllm.calibrate",
+        "--model",
+        model,
+        "--out",
+        str(out),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        "512",
+        "--num-speculative-tokens",
+        str(MAX_SPEC),
+        "--repeats",
+        "7",
+        "--engine-arg",
+        "gpu_memory_utilization=0.3",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"calibration failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,8,32,64")
+    p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2, help="run every engine this many times; keep each cell's best")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model-dir", default=None, help="build the model here (default: a temporary folder)")
+    p.add_argument("--cost", default=None, help="use this cost file instead of calibrating")
+    p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child is not None:
+        child(args.child)
+        return 0
+    conc = [int(x) for x in args.concurrency.split(",")]
+    from maskplug_vllm.demo import build_model
+
+    with tempfile.TemporaryDirectory(prefix="maskplug-vllm-bench-") as tmp:
+        model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "model"
+        model = str(
+            build_model(
+                model_dir,
+                hidden_size=args.hidden,
+                intermediate_size=3 * args.hidden,
+                num_layers=args.layers,
+                num_heads=args.hidden // 64,
+            )
+        )
+        t0 = time.perf_counter()
+        if args.cost:
+            cost_path = Path(args.cost)
+            cost = json.loads(cost_path.read_text())
+        else:
+            cost_path = Path(tmp) / "cost.json"
+            cost = _calibrate(model, cost_path, max(conc))
+        print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab 512, dummy weights (fp32)")
+        print("verify cost (ms) by tokens per step: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in cost["verify"]))
+        common = {
+            "model": model,
+            "concurrency": conc,
+            "requests_per_slot": args.requests_per_slot,
+            "max_tokens": args.max_tokens,
+            "cost": str(cost_path),
+        }
+        results: list[dict[str, Any]] = []
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1} of {args.rounds}", flush=True)
+            for label, spec in BASELINES.items():
+                results += _run_child({**common, "label": label, "spec": spec, "schedulers": []})
+            results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": ADAPTIVE})
+        elapsed = time.perf_counter() - t0
+    configs = [*BASELINES, *ADAPTIVE]
+    # Interference from other work on the machine only ever slows a run: keep each cell's fastest round.
+    table: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        key = (r["config"], r["concurrency"])
+        if key not in table or r["tokens_per_s"] > table[key]["tokens_per_s"]:
+            table[key] = r
+    print(
+        f"\noutput tokens/s (mean step ms) by concurrency; {args.max_tokens} tokens max per request, "
+        f"best of {args.rounds} rounds"
+    )
+    print(f"{'config':<24}" + "".join(f"{'c=' + str(c):>20}" for c in conc))
+    for cfg in configs:
+        cells = [f"{table[cfg, c]['tokens_per_s']:9.1f} ({table[cfg, c]['mean_step_ms']:6.1f})" for c in conc]
+        print(f"{cfg:<24}" + "".join(f"{x:>20}" for x in cells))
+    print("\nadaptive against the best of no-spec and fixed K (ratio of tokens/s)")
+    summary = []
+    for c in conc:
+        best = max(BASELINES, key=lambda b: table[b, c]["tokens_per_s"])
+        row = {"concurrency": c, "best_baseline": best, "best_tokens_per_s": table[best, c]["tokens_per_s"]}
+        for a in ADAPTIVE:
+            row[a] = table[a, c]["tokens_per_s"] / table[best, c]["tokens_per_s"]
+        summary.append(row)
+        print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in ADAPTIVE))
+    for cfg in ADAPTIVE:
+        for c in conc:
+            s = table[cfg, c]["stats"]
+            print(
+                f"{cfg:<22} c={c:<3} regimes {s['regimes']}, drafts scheduled {s['drafts_scheduled']}, "
+                f"verified {s['drafts_verified']}, accepted {s['drafts_accepted']}"
+            )
+    print(f"\ntotal {elapsed:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cost": cost, "results": results, "summary": summary}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
