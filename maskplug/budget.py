@@ -19,7 +19,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .draftmasks import DraftMasks
+from ._checks import check_unit_interval, host_int, host_ints
+from .draftmasks import DraftMasks, check_draft_masks
 from .errors import BudgetError
 from .layout import ScheduledLayout
 
@@ -39,9 +40,20 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.float64]
 
+#: Sizes tabulated at most per cost curve (8 MiB of float64); larger sizes are evaluated on demand.
+_TABLE_LIMIT = 1 << 20
+
 
 def _curve(name: str, samples: Sequence[tuple[float, float]] | npt.NDArray[Any]) -> tuple[FloatArray, FloatArray]:
-    arr = np.asarray(samples, dtype=np.float64)
+    if isinstance(samples, torch.Tensor):
+        samples = samples.detach().cpu().numpy()
+    try:
+        raw = np.asarray(samples)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise BudgetError(f"{name}: expected (size, ms) pairs of numbers, got {type(samples).__name__}") from err
+    if raw.size and raw.dtype.kind not in "fiu":
+        raise BudgetError(f"{name}: expected (size, ms) pairs of numbers, got dtype {raw.dtype}")
+    arr = raw.astype(np.float64)
     if arr.ndim != 2 or arr.shape[1] != 2 or arr.shape[0] < 1:
         raise BudgetError(f"{name}: expected (size, ms) pairs, got an array of shape {arr.shape}")
     if not np.all(np.isfinite(arr)) or np.any(arr < 0):
@@ -61,7 +73,7 @@ class _Curve:
         self.x, self.y, self.graph_limit = x, y, graph_limit
         # The padded cost at the capture limit: no size above the limit costs less.
         self.limit_ms = float(self._padded(np.array([float(graph_limit)]))[0]) if graph_limit > 0 else 0.0
-        self.table = self._eval(np.arange(table_max + 1, dtype=np.float64))
+        self.table = self._eval(np.arange(min(table_max, _TABLE_LIMIT) + 1, dtype=np.float64))
 
     def _interpolated(self, s: FloatArray) -> FloatArray:
         x, y = self.x, self.y
@@ -137,14 +149,16 @@ class CostModel:
         Where ``graph_limit`` falls between two samples, sizes just above it
         cost at least the padded cost at the limit, so the resulting cost is
         non-decreasing in size everywhere. Costs are tabulated up to
-        ``max_reqs`` / ``max_tokens`` for O(1) lookups.
+        ``max_reqs`` / ``max_tokens`` (at most 2**20 sizes each; larger ones
+        are computed when asked) for O(1) lookups. The three sizes are ints
+        in ``[0, 2**31 - 1]``, the most tokens a step can hold.
         """
-        for name, v in (("max_reqs", max_reqs), ("max_tokens", max_tokens), ("graph_limit", graph_limit)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise BudgetError(f"{name}: expected an int >= 0, got {v!r}")
+        reqs = host_int("max_reqs", max_reqs, BudgetError)
+        tokens = host_int("max_tokens", max_tokens, BudgetError)
+        limit = host_int("graph_limit", graph_limit, BudgetError)
         dx, dy = _curve("draft_curve", draft_curve)
         vx, vy = _curve("verify_curve", verify_curve)
-        return cls(_Curve(dx, dy, int(graph_limit), int(max_reqs)), _Curve(vx, vy, int(graph_limit), int(max_tokens)))
+        return cls(_Curve(dx, dy, limit, reqs), _Curve(vx, vy, limit, tokens))
 
     @classmethod
     def linear(
@@ -164,6 +178,8 @@ class CostModel:
             "verify_per_token_ms": verify_per_token_ms,
         }
         for name, v in vals.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise BudgetError(f"{name}: expected a finite number >= 0, got {type(v).__name__} {v!r}")
             if not np.isfinite(v) or v < 0:
                 raise BudgetError(f"{name}: expected a finite value >= 0, got {v!r}")
         if draft_base_ms + draft_per_req_ms + verify_base_ms + verify_per_token_ms <= 0:
@@ -205,9 +221,17 @@ def host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "conf
     if isinstance(confidences, torch.Tensor):
         if confidences.device.type != "cpu":
             raise BudgetError(f"{arg}: expected a host array (stale confidences), got a tensor on {confidences.device}")
+        if confidences.is_complex() or confidences.dtype == torch.bool:
+            raise BudgetError(f"{arg}: expected a float array, got dtype {confidences.dtype}")
         confidences = confidences.detach().to(torch.float64).numpy()
-    conf = np.asarray(confidences, dtype=np.float64) if not isinstance(confidences, np.ndarray) else confidences
-    if conf.dtype.kind not in "fiu":
+    if isinstance(confidences, np.ndarray):
+        conf = confidences
+    else:
+        try:
+            conf = np.asarray(confidences)
+        except (TypeError, ValueError) as err:
+            raise BudgetError(f"{arg}: expected a 2-D float array, got {type(confidences).__name__}") from err
+    if conf.size and conf.dtype.kind not in "fiu":
         raise BudgetError(f"{arg}: expected a float array, got dtype {conf.dtype}")
     conf = conf.astype(np.float64, copy=False)
     if conf.ndim == 1 and layout.n == 0 and conf.size == 0:
@@ -218,14 +242,8 @@ def host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "conf
     if conf.shape[1] < k:
         raise BudgetError(f"{arg}: expected at least {k} columns (the most drafts of any request), got {conf.shape[1]}")
     head = conf[:, :k]
-    # One pass over the columns that can matter (NaN fails both comparisons);
-    # only if it fails, look at which entries belong to scheduled drafts, since
-    # stale columns past a request's drafts may hold anything.
-    if not np.all((head >= 0.0) & (head <= 1.0)):
-        valid = np.arange(k)[None, :] < layout.num_drafts[:, None]
-        bad = ~((head >= 0.0) & (head <= 1.0)) & valid
-        if np.any(bad):
-            raise BudgetError(f"{arg}: expected probabilities in [0, 1] for scheduled drafts, got {head[bad][0]}")
+    # Stale columns past a request's drafts may hold anything: only scheduled drafts are checked.
+    check_unit_interval(arg, head, BudgetError, layout.num_drafts)
     return conf
 
 
@@ -235,20 +253,23 @@ def grammar_confidences(conf: FloatArray, layout: ScheduledLayout, grammar: Draf
     A draft the grammar rejects (and every later one) gets confidence 0; a
     draft the grammar accepts at a position that allows exactly one token gets
     confidence 1, since the target's masked distribution has no other choice.
+    ``grammar`` is checked against ``layout`` as everywhere it enters
+    (:func:`~maskplug.draftmasks.check_draft_masks`).
     """
+    grammar = check_draft_masks(grammar, layout)
     out = np.array(conf, dtype=np.float64, copy=True)
-    req = np.asarray(grammar.request, dtype=np.int64)
+    if out.ndim != 2 or out.shape[0] != layout.n:
+        raise BudgetError(f"conf: expected shape ({layout.n}, max_drafts), got {out.shape}")
+    req = grammar.request
     if req.size == 0:
         return out
-    if req.min() < 0 or req.max() >= layout.n:
-        raise BudgetError(f"grammar.request: expected batch indices in [0, {layout.n}), got {req.tolist()}")
-    acc = np.asarray(grammar.acceptable, dtype=np.int64)
+    acc = grammar.acceptable
     k = out.shape[1]
     cols = np.arange(k)[None, :]
     rejected = cols >= acc[:, None]
     forced = np.zeros((req.shape[0], k), dtype=bool)
-    f = np.asarray(grammar.forced, dtype=bool)
-    w = min(k, f.shape[1]) if f.ndim == 2 else 0
+    f = grammar.forced
+    w = min(k, f.shape[1])
     forced[:, :w] = f[:, :w]
     rows = out[req]
     rows = np.where(forced & ~rejected, 1.0, rows)
@@ -300,15 +321,10 @@ def choose_budget(
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
     conf = host_confidences(confidences, layout)
     n = layout.n
-    if num_sampling is None:
-        num_sampling = n
-    elif isinstance(num_sampling, bool) or not isinstance(num_sampling, (int, np.integer)) or num_sampling < 0:
-        raise BudgetError(f"num_sampling: expected an int >= 0, got {num_sampling!r}")
+    num_sampling = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
     cap = layout.total_drafts
     if max_logits is not None:
-        if isinstance(max_logits, bool) or not isinstance(max_logits, (int, np.integer)):
-            raise BudgetError(f"max_logits: expected an int, got {max_logits!r}")
-        room = int(max_logits) - n * layout.num_bonus
+        room = host_int("max_logits", max_logits, BudgetError) - n * layout.num_bonus
         if room < 0:
             raise BudgetError(
                 f"max_logits: expected at least n*num_bonus = {n * layout.num_bonus} rows for the bonus "
@@ -345,6 +361,50 @@ def choose_budget(
     return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
 
 
+def _live(arg: str, confidences: Any, n: int | None = None) -> torch.Tensor:
+    """Live confidences: a 2-D floating tensor (``n`` rows when given); values are checked by the caller."""
+    if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
+        got = f"{type(confidences).__name__} {getattr(confidences, 'dtype', '')} {tuple(getattr(confidences, 'shape', ()))}"
+        raise BudgetError(f"{arg}: expected a 2-D floating tensor (n, max_drafts), got {got}")
+    if n is not None and confidences.shape[0] != n:
+        raise BudgetError(f"{arg}: expected {n} rows (one per request), got {confidences.shape[0]}")
+    return confidences
+
+
+def _check_live_values(arg: str, confidences: torch.Tensor, num_drafts: npt.NDArray[np.int64]) -> None:
+    """On the host, refuse NaN or values outside [0, 1] for scheduled drafts (a device tensor is not read)."""
+    if confidences.device.type != "cpu" or confidences.numel() == 0:
+        return
+    k = int(num_drafts.max()) if num_drafts.size else 0
+    head = confidences[:, :k].detach()
+    if head.dtype != torch.float32 and head.dtype != torch.float64:
+        head = head.float()
+    check_unit_interval(arg, head.numpy(), BudgetError, num_drafts)
+
+
+def _int_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _device_count_tensor(arg: str, value: torch.Tensor, shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
+    """A device-resident count tensor: dtype, shape and device checked; its values are not read (no host sync)."""
+    if value.device != dev:
+        raise BudgetError(f"{arg}: expected a host value or a tensor on {dev}, got a tensor on {value.device}")
+    if tuple(value.shape) != shape or not _int_dtype(value.dtype):
+        what = "a 0-d integer tensor" if not shape else f"an integer tensor of shape {shape}"
+        raise BudgetError(f"{arg}: expected {what}, got {value.dtype} {tuple(value.shape)}")
+    return value
+
+
+def _budget_arg(budget: Any, hi: int | None, dev: torch.device) -> int | torch.Tensor:
+    """``budget`` as a checked host int in ``[0, hi]``, or a device 0-d integer tensor (values not read)."""
+    if isinstance(budget, torch.Tensor) and budget.device.type != "cpu":
+        return _device_count_tensor("budget", budget, (), dev)
+    if hi is None:
+        return host_int("budget", budget, BudgetError)
+    return host_int("budget", budget, BudgetError, hi=hi, expected=f"0 <= budget <= Σ num_drafts = {hi}")
+
+
 def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: int | torch.Tensor) -> torch.Tensor:
     """Per-request capacities from the live confidences: the global top-``budget`` survivals.
 
@@ -352,37 +412,33 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: 
     and always a prefix of each request's drafts. Runs on the device of
     ``confidences`` with no host sync (``budget`` may be a 0-d device tensor).
     Returns int32 capacities of shape ``(n,)``.
+
+    Host arguments (lists, numpy arrays, CPU tensors, 0-d tensors, ints) are
+    checked the same way in every form: ``num_drafts`` holds ``n`` counts in
+    ``[0, max_drafts]``, ``budget`` lies in ``[0, Σ num_drafts]`` and, on the
+    CPU, the confidences of scheduled drafts lie in ``[0, 1]``, else
+    :class:`BudgetError`. Values of device tensors are not read (that would
+    be a host sync); the result still never exceeds a request's drafts, a
+    NaN confidence counts as 0 and others are clamped into ``[0, 1]``.
     """
-    if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
-        got = f"{type(confidences).__name__} {getattr(confidences, 'shape', '')} {getattr(confidences, 'dtype', '')}"
-        raise BudgetError(f"confidences: expected a 2-D floating tensor (n, max_drafts), got {got}")
+    _live("confidences", confidences)
     dev = confidences.device
     n, k = confidences.shape
-    if not isinstance(num_drafts, torch.Tensor):
-        nd_host = np.asarray(num_drafts)
-        if nd_host.ndim != 1 or nd_host.shape[0] != n or (nd_host.size and nd_host.dtype.kind not in "iu"):
-            raise BudgetError(f"num_drafts: expected {n} integer counts, got {nd_host.dtype} {nd_host.shape}")
-        if nd_host.size and (nd_host.min() < 0 or nd_host.max() > k):
-            raise BudgetError(f"num_drafts: expected counts in [0, {k}], got {nd_host.tolist()}")
-        if isinstance(budget, (int, np.integer)) and not isinstance(budget, bool):
-            if not 0 <= int(budget) <= int(nd_host.sum()):
-                raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {int(nd_host.sum())}, got {budget}")
-        nd = torch.as_tensor(nd_host.astype(np.int64), device=dev)
+    nd_host: npt.NDArray[np.int64] | None = None
+    if isinstance(num_drafts, torch.Tensor) and num_drafts.device.type != "cpu":
+        nd = _device_count_tensor("num_drafts", num_drafts, (n,), dev).to(torch.int64)
     else:
-        if num_drafts.shape != (n,) or num_drafts.is_floating_point():
-            raise BudgetError(
-                f"num_drafts: expected an integer tensor of shape ({n},), got {num_drafts.dtype} {tuple(num_drafts.shape)}"
-            )
-        if num_drafts.device != dev:
-            raise BudgetError(f"num_drafts: expected device {dev}, got {num_drafts.device}")
-        nd = num_drafts.to(torch.int64)
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer, torch.Tensor)):
-        raise BudgetError(f"budget: expected an int or a 0-d tensor, got {budget!r}")
-    if isinstance(budget, (int, np.integer)) and budget < 0:
-        raise BudgetError(f"budget: expected >= 0, got {budget}")
+        nd_host = host_ints("num_drafts", num_drafts, BudgetError, n=n, hi=k)
+        nd = torch.tensor(nd_host, device=dev)
+    b = _budget_arg(budget, None if nd_host is None else int(nd_host.sum()), dev)
+    if nd_host is not None:
+        _check_live_values("confidences", confidences, nd_host)
     if n == 0 or k == 0:
         return torch.zeros(n, dtype=torch.int32, device=dev)
-    s = torch.cumprod(confidences.to(torch.float64), dim=1)
+    c = confidences.to(torch.float64)
+    if dev.type != "cpu":  # values not checked on the host: keep them in range on the device
+        c = torch.nan_to_num(c.clamp(0.0, 1.0), nan=0.0)
+    s = torch.cumprod(c, dim=1)
     pos = torch.arange(k, device=dev)
     valid = pos[None, :] < nd[:, None]
     s = torch.where(valid, s, torch.full_like(s, -1.0))  # never picked before a real draft
@@ -392,7 +448,8 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: 
     order = torch.sort(flat, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=dev)
-    chosen = (rank < budget).view(k, n)
+    # A position past a request's drafts is never chosen, whatever the budget.
+    chosen = (rank < b).view(k, n) & valid.t()
     return chosen.sum(dim=0, dtype=torch.int32)
 
 
@@ -416,17 +473,16 @@ def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch
     if not isinstance(step, StepView):
         raise BudgetError(f"step: expected a StepView, got {type(step).__name__}")
     lay = step.layout
-    if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
-        got = f"{type(confidences).__name__} {getattr(confidences, 'dtype', '')} {tuple(getattr(confidences, 'shape', ()))}"
-        raise BudgetError(f"confidences: expected a 2-D floating tensor (n, max_drafts), got {got}")
-    if confidences.shape[0] != lay.n:
-        raise BudgetError(f"confidences: expected {lay.n} rows (one per request), got {confidences.shape[0]}")
-    if step.grammar is None or np.asarray(step.grammar.request).size == 0:
+    _live("confidences", confidences, lay.n)
+    if step.grammar is None or step.grammar.request.size == 0:
         return allocate(confidences, lay.num_drafts, budget)
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer, torch.Tensor)):
-        raise BudgetError(f"budget: expected an int or a 0-d tensor, got {budget!r}")
-    if isinstance(budget, (int, np.integer)) and not 0 <= budget <= lay.total_drafts:
-        raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {lay.total_drafts}, got {budget}")
+    k_need = int(lay.num_drafts.max()) if lay.n else 0
+    if confidences.shape[1] < k_need:
+        raise BudgetError(
+            f"confidences: expected at least {k_need} columns (the most drafts of any request), got {confidences.shape[1]}"
+        )
+    budget = _budget_arg(budget, lay.total_drafts, confidences.device)
+    _check_live_values("confidences", confidences, lay.num_drafts)
     lim = grammar_limits(lay, step.grammar)
     room = int(lim.sum())
     n, k = confidences.shape

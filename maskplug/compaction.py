@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._checks import INT32_MAX, host_int, host_ints
 from .errors import BudgetError
 from .layout import ScheduledLayout
 
@@ -79,24 +80,13 @@ def compact(layout: ScheduledLayout, budget: int, capacity: Any = None) -> Compa
     """
     if not isinstance(layout, ScheduledLayout):
         raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)):
-        raise BudgetError(f"budget: expected an int, got {budget!r}")
     total = layout.total_drafts
-    if not 0 <= budget <= total:
-        raise BudgetError(f"budget: expected 0 <= budget <= Σ num_drafts = {total}, got {budget}")
-    budget = int(budget)
+    budget = host_int("budget", budget, BudgetError, hi=total, expected=f"0 <= budget <= Σ num_drafts = {total}")
     regime = regime_of(layout, budget)
     nb = layout.num_bonus
     if capacity is not None:
-        if isinstance(capacity, torch.Tensor):
-            if capacity.device.type != "cpu":
-                raise BudgetError(f"capacity: expected a host array, got a tensor on {capacity.device}")
-            capacity = capacity.numpy()
-        cap = np.asarray(capacity)
-        if cap.shape != (layout.n,) or (cap.size and cap.dtype.kind not in "iu"):
-            raise BudgetError(f"capacity: expected {layout.n} integer counts, got {cap.dtype} {cap.shape}")
-        cap = cap.astype(np.int64)
-        if cap.size and (cap.min() < 0 or np.any(cap > layout.num_drafts)):
+        cap = host_ints("capacity", capacity, BudgetError, n=layout.n)
+        if cap.size and np.any(cap > layout.num_drafts):
             r = int(np.argmax((cap < 0) | (cap > layout.num_drafts)))
             raise BudgetError(
                 f"capacity: expected 0 <= capacity[r] <= num_drafts[r], got capacity[{r}] = {int(cap[r])} "
@@ -119,13 +109,31 @@ def compact(layout: ScheduledLayout, budget: int, capacity: Any = None) -> Compa
 def active_cu_logits(capacity: torch.Tensor, num_bonus: int = 1) -> torch.Tensor:
     """Authoritative logits-row offsets ``[0, cumsum(capacity + num_bonus)]`` on ``capacity``'s device.
 
-    int32, ``n + 1`` entries; no host sync.
+    int32, ``n + 1`` entries; no host sync. A host (CPU) ``capacity`` is
+    checked like every count: non-negative, and the offsets must fit in int32
+    (:class:`BudgetError` otherwise, never a wrapped offset). The values of a
+    device tensor are not read (that would be a host sync): there they are
+    trusted, as :func:`~maskplug.allocate` produces them.
     """
-    if not isinstance(capacity, torch.Tensor) or capacity.ndim != 1 or capacity.is_floating_point():
-        got = f"{type(capacity).__name__} {getattr(capacity, 'dtype', '')} {getattr(capacity, 'shape', '')}"
+    if (
+        not isinstance(capacity, torch.Tensor)
+        or capacity.ndim != 1
+        or capacity.is_floating_point()
+        or capacity.is_complex()
+        or capacity.dtype == torch.bool
+    ):
+        got = f"{type(capacity).__name__} {getattr(capacity, 'dtype', '')} {tuple(getattr(capacity, 'shape', ()))}"
         raise BudgetError(f"capacity: expected a 1-D integer tensor, got {got}")
-    if isinstance(num_bonus, bool) or not isinstance(num_bonus, (int, np.integer)) or num_bonus < 0:
-        raise BudgetError(f"num_bonus: expected an int >= 0, got {num_bonus!r}")
-    out = torch.zeros(capacity.shape[0] + 1, dtype=torch.int32, device=capacity.device)
-    torch.cumsum(capacity.to(torch.int32) + int(num_bonus), dim=0, out=out[1:])
+    nb = host_int("num_bonus", num_bonus, BudgetError)
+    n = capacity.shape[0]
+    if n * nb > INT32_MAX:
+        raise BudgetError(f"num_bonus: expected offsets that fit in int32, got {n} requests × {nb} bonus rows")
+    if capacity.device.type == "cpu":
+        cap = host_ints("capacity", capacity, BudgetError)
+        if int(cap.sum()) + n * nb > INT32_MAX:
+            raise BudgetError(
+                f"capacity: expected offsets that fit in int32, got a last offset of {int(cap.sum()) + n * nb}"
+            )
+    out = torch.zeros(n + 1, dtype=torch.int32, device=capacity.device)
+    torch.cumsum(capacity.to(torch.int32) + nb, dim=0, out=out[1:])
     return out

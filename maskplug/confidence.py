@@ -34,28 +34,24 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from ._checks import check_unit_interval, host_int, host_ints
 from .errors import BudgetError, LayoutError
 
 __all__ = ["ConfidenceHistory"]
 
 # How many steps old the host copy is: the budget of step t reads step t-2.
 _LAG = 2
+# The most cells (slots × drafts) a history holds: 256 MiB of float32 per copy.
+_MAX_CELLS = 1 << 26
 
 
 def _as_slots(slots: Any, num_slots: int, arg: str = "slots") -> npt.NDArray[np.int64]:
-    if isinstance(slots, torch.Tensor):
-        if slots.device.type != "cpu":
-            raise LayoutError(f"{arg}: expected host slot indices, got a tensor on {slots.device}")
-        slots = slots.numpy()
-    arr = np.asarray(slots)
-    if arr.ndim != 1:
-        raise LayoutError(f"{arg}: expected a 1-D sequence of slot indices, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise LayoutError(f"{arg}: expected integer slot indices, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_slots):
-        bad = arr[(arr < 0) | (arr >= num_slots)][0]
-        raise LayoutError(f"{arg}: expected slot indices in [0, {num_slots}), got {int(bad)}")
+    if num_slots == 0:
+        arr = host_ints(arg, slots, LayoutError, expected="slot indices in [0, 0)")
+        if arr.size:
+            raise LayoutError(f"{arg}: expected slot indices in [0, 0), got {int(arr[0])}")
+        return arr
+    arr = host_ints(arg, slots, LayoutError, hi=num_slots - 1, expected=f"slot indices in [0, {num_slots})")
     if arr.size > 1 and np.unique(arr).size != arr.size:
         s = np.sort(arr)
         raise LayoutError(f"{arg}: expected unique slots, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
@@ -84,9 +80,12 @@ class ConfidenceHistory:
     """
 
     def __init__(self, num_slots: int, max_drafts: int, device: str | torch.device = "cpu") -> None:
-        for name, v in (("num_slots", num_slots), ("max_drafts", max_drafts)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise BudgetError(f"{name}: expected an int >= 0, got {v!r}")
+        num_slots = host_int("num_slots", num_slots, BudgetError)
+        max_drafts = host_int("max_drafts", max_drafts, BudgetError)
+        if num_slots * max_drafts > _MAX_CELLS:  # the table and its two host copies: a size check, not a MemoryError
+            raise BudgetError(
+                f"max_drafts: expected num_slots × max_drafts <= {_MAX_CELLS}, got {num_slots} × {max_drafts}"
+            )
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as exc:
@@ -140,6 +139,11 @@ class ConfidenceHistory:
         ``confidences`` is a floating tensor of shape ``(len(slots), k)`` with
         ``k <= max_drafts`` on this history's device; columns past ``k`` are
         set to 1 (no data yet, treated like a new request). No host sync.
+
+        Every value must be a probability in ``[0, 1]``: on the CPU a NaN or
+        an out-of-range value raises :class:`BudgetError` and nothing is
+        recorded; a CUDA tensor is not read here (that would be a host sync),
+        so its values are checked when :meth:`stale` reads them back.
         """
         idx = _as_slots(slots, self.num_slots)
         if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
@@ -151,6 +155,11 @@ class ConfidenceHistory:
             )
         if confidences.device != self.device:
             raise BudgetError(f"confidences: expected a tensor on {self.device}, got one on {confidences.device}")
+        if not self._cuda and confidences.numel():
+            vals = confidences.detach()
+            if vals.dtype not in (torch.float32, torch.float64):
+                vals = vals.float()
+            check_unit_interval("confidences", vals.numpy(), BudgetError)
         if idx.size:
             rows = torch.ones((idx.shape[0], self.max_drafts), dtype=torch.float32, device=self.device)
             rows[:, : confidences.shape[1]] = confidences
@@ -179,9 +188,11 @@ class ConfidenceHistory:
         two steps ago, never for the current step.
         """
         idx = _as_slots(slots, self.num_slots)
-        cols = self.max_drafts if num_columns is None else num_columns
-        if isinstance(cols, bool) or not isinstance(cols, (int, np.integer)) or not 0 <= cols <= self.max_drafts:
-            raise BudgetError(f"num_columns: expected an int in [0, {self.max_drafts}], got {num_columns!r}")
+        cols = (
+            self.max_drafts
+            if num_columns is None
+            else host_int("num_columns", num_columns, BudgetError, hi=self.max_drafts)
+        )
         want = self._step - _LAG
         out = np.ones((idx.shape[0], int(cols)), dtype=np.float64)
         if want < 0 or idx.size == 0:
@@ -195,4 +206,7 @@ class ConfidenceHistory:
         host = self._host[buf].numpy()
         fresh = self._reset_at[idx] <= want
         out[fresh] = host[idx[fresh], : int(cols)]
+        if self._cuda:
+            # Recorded on the device without being read: checked now that the host has them.
+            check_unit_interval("confidences", out, BudgetError)
         return out

@@ -7,11 +7,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
-__all__ = ["DraftMasks"]
+from .errors import BudgetError
+from .layout import ScheduledLayout
+
+__all__ = ["DraftMasks", "check_draft_masks"]
 
 
 @dataclass(frozen=True)
@@ -30,3 +35,73 @@ class DraftMasks:
     request: npt.NDArray[np.int64]
     acceptable: npt.NDArray[np.int64]
     forced: npt.NDArray[np.bool_]
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _field(name: str, value: Any, kinds: str, what: str) -> npt.NDArray[Any]:
+    """A field of a :class:`DraftMasks` as a host numpy array of one of ``kinds`` (numpy dtype kinds)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise BudgetError(f"{name}: expected host values, got a tensor on {value.device}")
+        value = value.detach().numpy()
+    try:
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise BudgetError(f"{name}: expected {what}, got {type(value).__name__}") from err
+    if arr.size and arr.dtype.kind not in kinds:
+        raise BudgetError(f"{name}: expected {what}, got dtype {arr.dtype} of shape {arr.shape}")
+    return arr
+
+
+def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar") -> DraftMasks:
+    """``grammar`` checked against ``layout``: a read-only :class:`DraftMasks` of int64/bool arrays.
+
+    The one check every entry point runs (:func:`~maskplug.choose_budget`,
+    :class:`~maskplug.StepView`, hence :func:`~maskplug.allocate_step`):
+    ``request`` unique batch indices of ``layout``, ``acceptable`` one count
+    in ``[0, num_drafts]`` per grammar request, ``forced`` a 2-D bool array
+    with one row per grammar request. Fields may be numpy arrays, sequences or
+    host tensors. Anything else raises :class:`~maskplug.BudgetError` naming
+    the field (``grammar.request`` and so on).
+    """
+    if not isinstance(grammar, DraftMasks):
+        raise BudgetError(f"{arg}: expected DraftMasks or None, got {type(grammar).__name__}")
+    req = _field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
+    if req.ndim != 1:
+        raise BudgetError(f"{arg}.request: expected a 1-D array of batch indices, got shape {req.shape}")
+    req = req.astype(np.int64, copy=False)
+    g = req.shape[0]
+    if g and (int(req.min()) < 0 or int(req.max()) >= layout.n):
+        bad = int(req[(req < 0) | (req >= layout.n)][0])
+        raise BudgetError(f"{arg}.request: expected batch indices in [0, {layout.n}), got {bad}")
+    if g > 1 and np.unique(req).size != g:
+        s = np.sort(req)
+        raise BudgetError(f"{arg}.request: expected unique batch indices, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
+    acc = _field(f"{arg}.acceptable", grammar.acceptable, "iu", f"{g} integer counts")
+    if acc.shape != (g,):
+        raise BudgetError(
+            f"{arg}.acceptable: expected {g} integer counts (one per grammar request), got shape {acc.shape}"
+        )
+    acc = acc.astype(np.int64, copy=False)
+    if g:
+        nd = layout.num_drafts[req]
+        bad_acc = (acc < 0) | (acc > nd)
+        if bad_acc.any():
+            i = int(np.argmax(bad_acc))
+            raise BudgetError(
+                f"{arg}.acceptable: expected counts in [0, num_drafts] per grammar request, got {int(acc[i])} "
+                f"for request {int(req[i])} with {int(nd[i])} drafts"
+            )
+    forced = _field(f"{arg}.forced", grammar.forced, "b", f"a bool array of shape ({g}, rows)")
+    if forced.ndim != 2 or forced.shape[0] != g:
+        raise BudgetError(f"{arg}.forced: expected a bool array of shape ({g}, rows), got shape {forced.shape}")
+    return DraftMasks(
+        request=_frozen(req),
+        acceptable=_frozen(acc),
+        forced=_frozen(forced.astype(bool, copy=False)),
+    )

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
+from ._checks import INT32_MAX, host_int, host_ints
 from .errors import LayoutError
 
 __all__ = ["GrammarRows", "RowMapping", "ScheduledLayout"]
@@ -22,24 +23,8 @@ IntArray = npt.NDArray[np.int64]
 
 
 def _as_counts(name: str, values: Any, n: int | None = None) -> IntArray:
-    try:
-        arr = np.asarray(values)
-    except Exception as exc:  # pragma: no cover - exotic inputs
-        raise LayoutError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}") from exc
-    if hasattr(values, "device") and str(getattr(values, "device", "cpu")) != "cpu":
-        raise LayoutError(f"{name}: expected host (CPU) values, got a tensor on {values.device}")
-    if arr.ndim != 1:
-        raise LayoutError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype.kind == "b" or not np.all(np.equal(np.mod(arr, 1), 0)):
-            raise LayoutError(f"{name}: expected integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if n is not None and arr.shape[0] != n:
-        raise LayoutError(f"{name}: expected {n} entries (one per request), got {arr.shape[0]}")
-    if arr.size and int(arr.min()) < 0:
-        bad = int(np.argmax(arr < 0))
-        raise LayoutError(f"{name}: expected non-negative counts, got {int(arr[bad])} at index {bad}")
-    return arr
+    """Per-request counts: integers in ``[0, 2**31 - 1]`` (whole-number floats accepted), one per request."""
+    return host_ints(name, values, LayoutError, n=n, integral_floats=True)
 
 
 def _plain(value: Any) -> Any:
@@ -132,9 +117,7 @@ class ScheduledLayout:
             raise LayoutError(f"req_ids: expected unique ids, got {_plain(_first_duplicate(ids))!r} twice")
         self.num_drafts = _as_counts("num_drafts", num_drafts, n)
         self.num_non_draft = _as_counts("num_non_draft", num_non_draft, n)
-        if isinstance(num_bonus, bool) or not isinstance(num_bonus, (int, np.integer)) or num_bonus < 0:
-            raise LayoutError(f"num_bonus: expected an int >= 0, got {num_bonus!r}")
-        self.num_bonus = int(num_bonus)
+        self.num_bonus = host_int("num_bonus", num_bonus, LayoutError)
         self._ids = ids
         self._index = index
         self._req_ids: npt.NDArray[Any] | None = req_ids if isinstance(req_ids, np.ndarray) else None
@@ -231,8 +214,9 @@ class GrammarRows:
         if mode not in ("ragged", "fixed"):
             raise LayoutError(f"mode: expected 'ragged' or 'fixed', got {mode!r}")
         if mode == "fixed":
-            if isinstance(stride, bool) or not isinstance(stride, (int, np.integer)) or stride < 1:
-                raise LayoutError(f"stride: expected an int >= 1 in fixed mode, got {stride!r}")
+            if stride is None:
+                raise LayoutError("stride: expected an int >= 1 in fixed mode, got None")
+            stride = host_int("stride", stride, LayoutError, lo=1)
         elif stride is not None:
             raise LayoutError(
                 f"stride: expected None in ragged mode (a stride is only meaningful in fixed mode), got {stride!r}"
@@ -258,6 +242,8 @@ class GrammarRows:
 
     def batch_indices(self, layout: ScheduledLayout) -> IntArray:
         """Batch index of each grammar request, in grammar order."""
+        if not isinstance(layout, ScheduledLayout):
+            raise LayoutError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
         return layout.indices_of(self._ids, "grammar_req_ids")
 
     def _rows(self, layout: ScheduledLayout, idx: IntArray) -> IntArray:
@@ -286,6 +272,8 @@ class GrammarRows:
         idx = self.batch_indices(layout)
         per = self._rows(layout, idx)
         total = int(per.sum())
+        if total > INT32_MAX:
+            raise LayoutError(f"layout: expected at most 2**31 - 1 mask rows (int32 row indices), got {total}")
         # Each row's position is its index minus the first row of its request.
         starts = np.zeros(per.shape[0], dtype=np.int32)
         if per.shape[0] > 1:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._checks import host_int
 from ..budget import BudgetDecision
 from ..errors import BudgetError
 from .protocol import StepOutcome, StepView
@@ -16,6 +17,15 @@ __all__ = ["GoodputScheduler"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+#: Draft positions tracked per request: a size check instead of an absurd allocation.
+MAX_POSITIONS = 1 << 16
+
+
+def _positions(name: str, k: int) -> int:
+    if k > MAX_POSITIONS:
+        raise BudgetError(f"{name}: expected at most {MAX_POSITIONS} draft positions per request, got {k}")
+    return k
 
 
 class _IdTable:
@@ -149,6 +159,7 @@ class GoodputScheduler:
 
     def population(self, num_positions: int) -> FloatArray:
         """The prior a new request gets, per position (a copy)."""
+        num_positions = _positions("num_positions", host_int("num_positions", num_positions, BudgetError))
         self._widen(0, num_positions)
         return self._population[:num_positions].copy()
 
@@ -157,6 +168,7 @@ class GoodputScheduler:
         ids = np.asarray(req_ids)
         if ids.ndim != 1:
             raise BudgetError(f"req_ids: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        num_positions = _positions("num_positions", host_int("num_positions", num_positions, BudgetError))
         self._widen(0, num_positions)
         rows = self._ids.lookup(ids)
         out = np.broadcast_to(self._population[:num_positions], (ids.shape[0], num_positions)).copy()
@@ -179,7 +191,7 @@ class GoodputScheduler:
         if not isinstance(outcome, StepOutcome):
             raise BudgetError(f"outcome: expected a StepOutcome, got {type(outcome).__name__}")
         ids, v, acc = outcome.req_ids, outcome.verified, outcome.accepted
-        k = int(v.max()) if v.size else 0
+        k = _positions("verified", int(v.max()) if v.size else 0)
         if ids.size:
             rows = self._ids.lookup(ids)
             new = rows < 0

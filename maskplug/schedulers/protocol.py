@@ -23,8 +23,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from .._checks import host_int, host_ints
 from ..budget import BudgetDecision, CostModel, choose_budget, host_confidences, survival
-from ..draftmasks import DraftMasks
+from ..draftmasks import DraftMasks, check_draft_masks
 from ..errors import BudgetError
 from ..layout import ScheduledLayout
 
@@ -43,9 +44,7 @@ IntArray = npt.NDArray[np.int64]
 def _opt_int(name: str, v: Any) -> int | None:
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise BudgetError(f"{name}: expected an int >= 0 or None, got {v!r}")
-    return int(v)
+    return host_int(name, v, BudgetError)
 
 
 def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -104,7 +103,7 @@ class StepView:
             cap = min(cap, room)
         object.__setattr__(self, "cap", cap)
         if self.grammar is not None:
-            object.__setattr__(self, "grammar", _check_grammar(self.grammar, lay))
+            object.__setattr__(self, "grammar", check_draft_masks(self.grammar, lay))
 
     @property
     def sampling(self) -> int:
@@ -153,33 +152,8 @@ class StepView:
 
 
 def _check_grammar(g: Any, lay: ScheduledLayout) -> DraftMasks:
-    if not isinstance(g, DraftMasks):
-        raise BudgetError(f"grammar: expected DraftMasks or None, got {type(g).__name__}")
-    req = np.asarray(g.request)
-    acc = np.asarray(g.acceptable)
-    forced = np.asarray(g.forced)
-    if req.ndim != 1 or (req.size and req.dtype.kind not in "iu"):
-        raise BudgetError(f"grammar.request: expected a 1-D integer array, got {req.dtype} {req.shape}")
-    if req.size and (int(req.min()) < 0 or int(req.max()) >= lay.n):
-        raise BudgetError(f"grammar.request: expected batch indices in [0, {lay.n}), got {req.tolist()}")
-    if req.size > 1 and np.unique(req).size != req.size:
-        raise BudgetError(f"grammar.request: expected unique batch indices, got {req.tolist()}")
-    if acc.shape != req.shape or (acc.size and acc.dtype.kind not in "iu"):
-        raise BudgetError(f"grammar.acceptable: expected {req.shape[0]} integer counts, got {acc.dtype} {acc.shape}")
-    nd = lay.num_drafts[req.astype(np.int64)] if req.size else np.zeros(0, dtype=np.int64)
-    if acc.size and (int(acc.min()) < 0 or np.any(acc > nd)):
-        raise BudgetError(
-            f"grammar.acceptable: expected counts in [0, num_drafts] per grammar request {nd.tolist()}, got {acc.tolist()}"
-        )
-    if forced.ndim != 2 or forced.shape[0] != req.shape[0] or (forced.size and forced.dtype.kind != "b"):
-        raise BudgetError(
-            f"grammar.forced: expected a bool array of shape ({req.shape[0]}, rows), got {forced.dtype} {forced.shape}"
-        )
-    return DraftMasks(
-        request=_frozen(req.astype(np.int64)),
-        acceptable=_frozen(acc.astype(np.int64)),
-        forced=_frozen(forced.astype(bool)),
-    )
+    """``g`` checked against ``lay`` (:func:`~maskplug.draftmasks.check_draft_masks`)."""
+    return check_draft_masks(g, lay)
 
 
 def grammar_limits(layout: ScheduledLayout, grammar: DraftMasks | None) -> IntArray:
@@ -216,11 +190,9 @@ class StepOutcome:
         for name in ("verified", "accepted"):
             raw = getattr(self, name)
             if isinstance(raw, torch.Tensor):
-                raw = raw.detach().cpu().numpy()
-            a = np.asarray(raw)
-            if a.shape != (n,) or (a.size and a.dtype.kind not in "iu"):
-                raise BudgetError(f"{name}: expected {n} integer counts (one per req id), got {a.dtype} {a.shape}")
-            arrs[name] = a.astype(np.int64)
+                raw = raw.detach().cpu()
+            # Counts of drafts: the same range a layout's counts have.
+            arrs[name] = np.array(host_ints(name, raw, BudgetError, n=n, lo=-(2**31) if name == "accepted" else 0))
         v, acc = arrs["verified"], arrs["accepted"]
         if n and (int(acc.min()) < 0 or np.any(acc > v)):
             bad = int(np.argmax((acc < 0) | (acc > v)))
