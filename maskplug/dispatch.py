@@ -18,37 +18,49 @@ import torch
 from .errors import BackendUnavailable, LayoutError
 from .kernels.sdk import KernelBackend
 from .layout import RowMapping
-from .plugins import get_registry
+from .plugins import KERNEL_BACKEND_ENV, get_registry
 
 __all__ = ["KernelBackend", "apply_grammar_bitmask", "backend_status", "resolve_backend"]
 
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _reason(be: Any, device: torch.device) -> str | None:
+    """Why ``be`` cannot run on ``device`` (``None``: it can); a probe that raises is a reason, not a crash."""
+    try:
+        why = be.unavailable_reason(device)
+    except Exception as exc:
+        return f"availability check failed: {type(exc).__name__}: {exc}"
+    if why is not None and not isinstance(why, str):
+        return f"availability check failed: returned {type(why).__name__} {why!r} instead of None or a reason"
+    return why
+
+
 def backend_status(device: torch.device | str | None = None) -> dict[str, str | None]:
     """Every registered backend and why it cannot run on ``device`` (``None`` = available)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out: dict[str, str | None] = {}
-    for name, be in sorted(get_registry().kernels.items()):
-        try:
-            out[name] = be.unavailable_reason(dev)
-        except Exception as exc:  # a broken probe is a reason, not a crash
-            out[name] = f"availability check failed: {type(exc).__name__}: {exc}"
-    return out
+    return {name: _reason(be, dev) for name, be in sorted(get_registry().kernels.items())}
 
 
 def resolve_backend(backend: str, device: torch.device) -> KernelBackend:
-    """The backend object for ``backend`` (a name or ``"auto"``) on ``device``."""
+    """The backend object for ``backend`` (a name or ``"auto"``) on ``device``.
+
+    ``"auto"`` is ``MASKPLUG_KERNEL_BACKEND`` when that is set (to a name
+    other than ``auto``), else the available backend of highest priority; a
+    backend whose availability probe raises is skipped with that reason.
+    """
     reg = get_registry().kernels
     if not isinstance(backend, str):
         raise BackendUnavailable(f"backend: expected a backend name or 'auto', got {backend!r}")
     if backend == "auto":
-        env = os.environ.get("MASKPLUG_KERNEL_BACKEND", "").strip()
+        env = os.environ.get(KERNEL_BACKEND_ENV, "").strip()
         if env and env != "auto":
+            if env not in reg:
+                raise BackendUnavailable(f"{KERNEL_BACKEND_ENV}: expected one of {sorted(reg)} or 'auto', got {env!r}")
             return resolve_backend(env, device)
         reasons = []
         for be in sorted(reg.values(), key=lambda b: (-b.priority, b.name)):
-            why = be.unavailable_reason(device)
+            why = _reason(be, device)
             if why is None:
                 return be  # type: ignore[no-any-return]
             reasons.append(f"{be.name}: {why}")
@@ -56,7 +68,7 @@ def resolve_backend(backend: str, device: torch.device) -> KernelBackend:
     be = reg.get(backend)
     if be is None:
         raise BackendUnavailable(f"backend: expected one of {sorted(reg)} or 'auto', got {backend!r}")
-    why = be.unavailable_reason(device)
+    why = _reason(be, device)
     if why is not None:
         raise BackendUnavailable(f"backend: {backend!r} cannot run on {device}: {why}")
     return be  # type: ignore[no-any-return]
@@ -173,6 +185,19 @@ def apply_grammar_bitmask(
     # An empty tensor may report any strides; only a non-empty one must be row-major.
     if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
         raise LayoutError(f"logits: expected column stride 1 (rows may be strided), got strides {logits.stride()}")
+    # Rows that share memory (a row stride below the width, e.g. from as_strided or expand)
+    # would be masked through one another: a mask allowing a column in one row could not keep it.
+    if logits.shape[0] > 1 and logits.shape[1] > 0 and logits.stride(0) < logits.shape[1]:
+        raise LayoutError(
+            f"logits: expected rows that do not overlap in memory (row stride >= width {logits.shape[1]}), "
+            f"got strides {logits.stride()}"
+        )
+    if logits.requires_grad and torch.is_grad_enabled():
+        # Masking writes in place, outside autograd: refused as torch refuses in-place ops on such tensors.
+        raise LayoutError(
+            "logits: expected a tensor that does not require grad (masking writes in place, which autograd "
+            "cannot record); mask under torch.no_grad() or pass logits.detach()"
+        )
     device = logits.device
     if not isinstance(bitmask, torch.Tensor):
         raise LayoutError(f"bitmask: expected a torch.Tensor, got {type(bitmask).__name__}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailable",
     "BudgetError",
+    "ConfigWarning",
     "GrammarError",
     "LayoutError",
     "MaskplugError",
@@ -40,6 +41,17 @@ class GrammarError(MaskplugError, ValueError):
 
 class PluginError(MaskplugError, RuntimeError):
     """A plugin that failed to load or registered something invalid."""
+
+
+class ConfigWarning(RuntimeWarning):
+    """A ``MASKPLUG_*`` environment setting that names something that does not exist.
+
+    Issued once, when the plugin registry loads, naming the variable and the
+    unknown value. A warning rather than an error because one environment is
+    often shared by deployments with different plugins installed; turn it into
+    an error with ``-W error::maskplug.errors.ConfigWarning`` (or
+    ``warnings.simplefilter("error", ConfigWarning)``).
+    """
 
 
 def expect(cond: bool, exc: type[MaskplugError], arg: str, expected: str, got: object) -> None:

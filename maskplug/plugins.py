@@ -10,6 +10,14 @@ built-ins, registered through the very same hooks). Environment switches:
     comma-separated entry-point names that must not load.
 ``MASKPLUG_KERNEL_BACKEND``
     the backend ``backend="auto"`` resolves to (see :mod:`maskplug.dispatch`).
+
+A name in any of them that matches nothing installed is reported when the
+registry loads: a :class:`~maskplug.errors.ConfigWarning` naming the variable,
+the unknown value and what is installed (also kept in
+:attr:`Registry.config_problems`). Loading goes on, as it would without the
+unknown name; an unknown ``MASKPLUG_KERNEL_BACKEND`` also makes every
+``backend="auto"`` call raise :class:`~maskplug.BackendUnavailable` naming the
+variable, since falling back to another backend would ignore the setting.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import PluginError
+from .errors import ConfigWarning, PluginError
 
 __all__ = ["PluginInfo", "Registry", "get_registry", "reset_registry"]
 
 ENTRY_POINT_GROUP = "maskplug"
+LOAD_PLUGINS_ENV = "MASKPLUG_LOAD_PLUGINS"
+DISABLE_PLUGINS_ENV = "MASKPLUG_DISABLE_PLUGINS"
+KERNEL_BACKEND_ENV = "MASKPLUG_KERNEL_BACKEND"
 BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers.registry")
 
 
@@ -61,6 +72,8 @@ class Registry:
         self.grammar_providers: dict[str, Callable[..., Any]] = {}
         self.schedulers: dict[str, Callable[..., Any]] = {}
         self.plugins: list[PluginInfo] = []
+        #: Environment settings naming something that does not exist (one line each, as warned at load).
+        self.config_problems: list[str] = []
         self._owner: dict[tuple[str, str], str] = {}
 
     # -- registration callbacks ------------------------------------------------
@@ -159,9 +172,17 @@ class Registry:
         for modname in BUILTIN_PLUGINS:
             self.add_plugin(importlib.import_module(modname), modname, "maskplug", __version__)
 
-        allow = _split_env("MASKPLUG_LOAD_PLUGINS")
-        deny = _split_env("MASKPLUG_DISABLE_PLUGINS") or set()
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        allow = _split_env(LOAD_PLUGINS_ENV)
+        deny = _split_env(DISABLE_PLUGINS_ENV) or set()
+        eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        installed = sorted({ep.name for ep in eps})
+        for var, names in ((LOAD_PLUGINS_ENV, allow or set()), (DISABLE_PLUGINS_ENV, deny)):
+            for unknown in sorted(names - set(installed)):
+                self._config_problem(
+                    f"{var}: expected names of installed maskplug plugins {installed}, got {unknown!r}, "
+                    "which no installed distribution provides"
+                )
+        for ep in eps:
             if (allow is not None and ep.name not in allow) or ep.name in deny:
                 continue
             dist = ep.dist.name if ep.dist is not None else "unknown"
@@ -178,6 +199,17 @@ class Registry:
                 )
                 continue
             self.add_plugin(obj, ep.name, dist, ver)
+
+        backend = os.environ.get(KERNEL_BACKEND_ENV, "").strip()
+        if backend and backend != "auto" and backend not in self.kernels:
+            self._config_problem(
+                f"{KERNEL_BACKEND_ENV}: expected one of {sorted(self.kernels)} or 'auto', got {backend!r}; "
+                'every backend="auto" call will raise BackendUnavailable'
+            )
+
+    def _config_problem(self, message: str) -> None:
+        self.config_problems.append(message)
+        warnings.warn(message, ConfigWarning, stacklevel=4)
 
     def step_end(self, stats: dict[str, Any]) -> None:
         """Call every ``maskplug_step_end`` hook."""
