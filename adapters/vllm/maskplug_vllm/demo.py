@@ -8,9 +8,10 @@ n-gram drafting and ``MASKPLUG_VLLM=1``, and generates one mixed batch of
 JSON-schema, regex and unconstrained requests under each of a few maskplug
 schedulers, switched in place. For each it prints the budget regimes of the
 steps, tokens per step and the drafts scheduled, verified and accepted; then
-every output with whether it is valid (JSON parsed and validated against its
-schema, regex fully matched). The exit status is 1 if any finished structured
-output is invalid.
+every output with whether it is valid (finished: JSON parsed and validated
+against its schema, regex fully matched; cut off by ``max_tokens``: its tokens
+replayed through xgrammar, a prefix the grammar accepts). The exit status is
+1 if any structured output is invalid.
 
 The outputs of a model with random weights are not meaningful text; the
 point is the engine's machinery: rows for every scheduled draft, budgets
@@ -152,12 +153,48 @@ def sampling_params(req: dict[str, Any], max_tokens: int | None = None) -> Any:
     return SamplingParams(temperature=0.0, max_tokens=limit, structured_outputs=so)
 
 
-def validity(req: dict[str, Any], text: str, finish_reason: str | None) -> str:
-    """``valid``, ``INVALID (...)``, ``cut off`` (stopped by ``max_tokens``) or ``unconstrained``."""
+class PrefixChecker:
+    """Whether a cut-off output is still a prefix its grammar accepts, checked with xgrammar directly.
+
+    Independent of the engine's grammar backend: the output's token ids are
+    replayed through a fresh ``xgrammar.GrammarMatcher`` compiled from the
+    request's schema or regex.
+    """
+
+    def __init__(self, model_dir: Path | str, vocab_size: int) -> None:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        folder = Path(model_dir)
+        eos = json.loads((folder / "tokenizer_config.json").read_text())["eos_token"]
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token=eos)
+        self._xgr = xgr
+        self._compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size))
+
+    def accepts(self, req: dict[str, Any], token_ids: Sequence[int]) -> bool:
+        if req["kind"] == "json":
+            grammar = self._compiler.compile_json_schema(json.dumps(req["schema"]))
+        else:
+            grammar = self._compiler.compile_regex(req["regex"])
+        matcher = self._xgr.GrammarMatcher(grammar)
+        return all(matcher.accept_token(int(t)) for t in token_ids)
+
+
+def validity(
+    req: dict[str, Any],
+    text: str,
+    finish_reason: str | None,
+    token_ids: Sequence[int] = (),
+    prefixes: PrefixChecker | None = None,
+) -> str:
+    """``valid``, ``INVALID (...)``, ``cut off`` (stopped by ``max_tokens``; with ``prefixes``,
+    ``cut off, valid prefix`` or ``INVALID (...)``) or ``unconstrained``."""
     if req["kind"] == "free":
         return "unconstrained"
     if finish_reason != "stop":
-        return "cut off"
+        if prefixes is None:
+            return "cut off"
+        return "cut off, valid prefix" if prefixes.accepts(req, token_ids) else "INVALID (not a prefix)"
     if req["kind"] == "regex":
         return "valid" if re.fullmatch(req["regex"], text) else "INVALID (no full match)"
     import jsonschema
@@ -236,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("maskplug's adaptive verification is not installed in this engine", file=sys.stderr)
             return 1
         print(f"engine up in {time.perf_counter() - t0:.0f} s: n-gram drafting, {args.spec} tokens per request\n")
+        prefixes = PrefixChecker(model, llm.llm_engine.model_config.get_vocab_size())
         reqs = workload(args.requests)
         params = [sampling_params(r) for r in reqs]
         invalid = 0
@@ -259,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"  {name}: {s['steps']} steps, {per_step:.2f} tokens per step", flush=True)
             for r, o in zip(reqs, outputs, strict=True):
                 c = o.outputs[0]
-                invalid += validity(r, c.text, c.finish_reason).startswith("INVALID")
+                invalid += validity(r, c.text, c.finish_reason, c.token_ids, prefixes).startswith("INVALID")
             last = [(r, o) for r, o in zip(reqs, outputs, strict=True)]
         print("\nSteps by budget regime (steps with drafts for structured requests), per scheduler:")
         print(header)
@@ -268,11 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r, o in last:
             c = o.outputs[0]
             text = c.text if len(c.text) <= 60 else c.text[:57] + "..."
-            print(
-                f"  {r['kind']:<6}{r['name'][:22]:<24}{c.finish_reason or '':<8}{validity(r, c.text, c.finish_reason):<16}{text!r}"
-            )
+            verdict = validity(r, c.text, c.finish_reason, c.token_ids, prefixes)
+            print(f"  {r['kind']:<6}{r['name'][:22]:<24}{c.finish_reason or '':<8}{verdict:<23}{text!r}")
         total = len(reqs) * len(schedulers)
-        print(f"\n{total - invalid} of {total} outputs valid or unconstrained/cut off; {invalid} invalid")
+        print(
+            f"\n{total - invalid} of {total} outputs valid (finished: parsed and validated or fully matched; "
+            f"cut off: a prefix the grammar accepts) or unconstrained; {invalid} invalid"
+        )
         return 1 if invalid else 0
 
 
