@@ -1,13 +1,21 @@
 """The built-in ``torch`` kernel backend: runs wherever torch does.
 
-CPU path: the live rows are known on the host, so only they are touched, a few
-rows at a time so every temporary stays in cache. Each chunk expands its mask
-words into an int32 keep-mask (``-1`` keep, ``0`` drop) with one shift pair,
-then rewrites the logits bit pattern branch-free:
-``x = ((x ^ NINF) & keep) ^ NINF`` leaves kept values bit-identical (NaN
-included) and turns dropped ones into exactly ``-inf``. ``masked_fill`` with a
-random boolean mask is several times slower here because it branches per
-element; nothing of the full logits shape is ever materialised.
+CPU path: the live rows are known on the host, so only they are touched, a
+block of at most ``_CHUNK_ELEMS`` logits at a time so every temporary stays in
+cache. Each block expands its mask bytes into an integer keep-mask of the
+logits' width (``-1`` keep, ``0`` drop), then rewrites the logits bit pattern
+branch-free: ``x = ((x ^ NINF) & keep) ^ NINF`` leaves kept values
+bit-identical (NaN included) and turns dropped ones into exactly ``-inf``.
+``masked_fill`` with a random boolean mask is several times slower here because
+it branches per element; nothing of the full logits shape is ever materialised.
+
+The CPU path runs on the calling thread only, by design: its element-wise work
+is done by numpy on views of the logits' memory, never by torch's intra-op
+thread pool. That pool's workers wait for each other at the end of every
+operation, so on a machine whose cores are busy (a CPU serving engine's always
+are) a one-row operation can take as long as the slowest worker's time slice;
+a single thread keeps its speed whatever else runs and whatever
+``torch.set_num_threads`` the caller chose, and it changes no global setting.
 
 CUDA path (fallback when no faster backend is installed): no host sync, so the
 live-row rule and duplicates are resolved with device ops: every mask row's
@@ -23,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from ..hookspecs import hookimpl
@@ -30,7 +39,8 @@ from .sdk import INT_VIEW, NINF_BITS, BackendBase, Launcher
 
 __all__ = ["TorchBackend"]
 
-_CHUNK_ELEMS = 1 << 17  # 512 KB of int32 keep-mask per chunk: it and its logits stay in L2
+_CHUNK_ELEMS = 1 << 16  # logits per CPU block: 256 KB of int32 keep-mask, it and its logits stay in L2
+_NP_INT: dict[torch.dtype, type[np.signedinteger[Any]]] = {torch.int32: np.int32, torch.int16: np.int16}
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
 
 
@@ -57,6 +67,65 @@ def _keep_mask(words: torch.Tensor, width: int, vocab_size: int, mask_tail: bool
 
 def _apply_rows(xi: torch.Tensor, keep: torch.Tensor, ninf: int) -> None:
     xi.bitwise_xor_(ninf).bitwise_and_(keep).bitwise_xor_(ninf)
+
+
+def _apply_rows_cpu(
+    xi: npt.NDArray[Any],
+    words: npt.NDArray[np.int32],
+    src: npt.NDArray[np.int64],
+    dst: npt.NDArray[np.int64],
+    vocab_size: int,
+    mask_tail: bool,
+    ninf: np.signedinteger[Any],
+) -> None:
+    """Mask logits rows ``dst`` (of the integer view ``xi``) with mask rows ``src`` of ``words``, on this thread.
+
+    ``dst`` is sorted and duplicate-free. Works in blocks of at most
+    ``_CHUNK_ELEMS`` logits: a group of whole rows when rows are narrow, a
+    column range of one row when they are wide (ranges start on a byte of the
+    mask, so a multiple of 8 columns).
+    """
+    width = xi.shape[1]
+    itype = xi.dtype
+    if width == 0 or dst.size == 0:
+        return
+    group = max(1, _CHUNK_ELEMS // width)
+    cols = width if group > 1 else max(8, _CHUNK_ELEMS // 8 * 8)
+    keep_buf = np.empty(group * min(cols, width), dtype=itype)
+    tail_fill = 0 if mask_tail else -1
+    for s in range(0, dst.size, group):
+        d = dst[s : s + group]
+        sr = src[s : s + group]
+        g = d.size
+        d_run = int(d[-1]) - int(d[0]) == g - 1  # dst is strictly increasing: the ends tell
+        s_run = g == 1 or bool(np.all(np.diff(sr) == 1))  # src is in dst's order, not sorted
+        for c0 in range(0, width, cols):
+            c1 = min(width, c0 + cols)
+            keep = keep_buf[: g * (c1 - c0)].reshape(g, c1 - c0)
+            nbits = max(0, min(c1, vocab_size) - c0)  # columns of this block the mask decides
+            if nbits:
+                b0, b1 = c0 // 32, (c0 + nbits + 31) // 32
+                w = words[int(sr[0]) : int(sr[0]) + g, b0:b1] if s_run else words[sr, b0:b1]
+                # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j.
+                by = np.ascontiguousarray(w).view(np.uint8)
+                skip = c0 % 32  # c0 is a multiple of 8: whole bytes of the first word to skip
+                by = by[:, skip // 8 :]
+                bits = np.unpackbits(by, axis=1, count=nbits, bitorder="little").view(np.int8)
+                # 0/1 to 0/-1 in bytes, then sign-extended: faster than negating into the wide type.
+                np.negative(bits, out=bits)
+                np.copyto(keep[:, :nbits], bits)
+            if nbits < c1 - c0:
+                keep[:, nbits:] = tail_fill
+            if d_run:
+                rows = xi[int(d[0]) : int(d[0]) + g, c0:c1]
+            else:
+                rows = xi[d, c0:c1]  # a gathered copy, written back below
+            # x = ((x ^ NINF) & keep) ^ NINF: kept bits unchanged, dropped ones exactly NINF.
+            np.bitwise_xor(rows, ninf, out=rows)
+            np.bitwise_and(rows, keep, out=rows)
+            np.bitwise_xor(rows, ninf, out=rows)
+            if not d_run:
+                xi[d, c0:c1] = rows
 
 
 class TorchBackend(BackendBase):
@@ -103,26 +172,10 @@ class TorchBackend(BackendBase):
             bm = bitmask.numpy()[src]
             words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
             src, dst = np.arange(starts.size), dst[starts]
-        width = logits.shape[1]
-        itype = INT_VIEW[logits.dtype]
-        ninf = NINF_BITS[logits.dtype]
-        xi_all = logits.view(itype)  # same element size: a bit-pattern view, any row stride
-        step = max(1, _CHUNK_ELEMS // max(width, 1))
-        contiguous_src = src.size == 0 or bool(np.all(np.diff(src) == 1))
-        for s in range(0, dst.size, step):
-            d = dst[s : s + step]
-            if contiguous_src:
-                w = words[int(src[s]) : int(src[s]) + d.size]
-            else:
-                w = words[torch.from_numpy(src[s : s + step])]
-            keep = _keep_mask(w, width, vocab_size, mask_tail, itype)
-            if int(d[-1]) - int(d[0]) == d.size - 1:
-                _apply_rows(xi_all[int(d[0]) : int(d[-1]) + 1], keep, ninf)
-            else:
-                idx = torch.from_numpy(d)
-                rows = xi_all.index_select(0, idx)
-                _apply_rows(rows, keep, ninf)
-                xi_all.index_copy_(0, idx, rows)
+        itype = _NP_INT[INT_VIEW[logits.dtype]]
+        # Same element size: a bit-pattern view of the logits' own memory, any row stride.
+        xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
+        _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
 
     # -- CUDA (or any device): no host sync ---------------------------------------
     def _apply_device(
