@@ -15,15 +15,25 @@ Peers, measured in the same run on the same inputs:
 Each timed call starts from freshly copied logits (the copy is not timed); all
 three results are checked to be identical before anything is timed.
 
-Run: ``.venv/bin/python benchmarks/cpu_apply.py [--repeat N] [--threads T]``
+Every table is measured twice in the same run: on the machine as it is
+(``idle``), and ``loaded``, with a competing process spinning on one core (pinned
+to the first CPU this process may use) for the whole measurement, as a CPU serving
+engine's other work would. Both are repeated for each torch intra-op thread
+setting of the caller (``--threads``, default ``1`` and torch's default), since
+a kernel that leans on torch's thread pool behaves differently under each.
+
+Run: ``.venv/bin/python benchmarks/cpu_apply.py [--repeat N] [--threads 1,default] [--load idle,loaded]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing as mproc
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -78,21 +88,37 @@ def median_ms(fn: Callable[[torch.Tensor], None], source: torch.Tensor, repeat: 
     return statistics.median(wall) / 1e6, statistics.median(cpu) / 1e6
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=30, help="timed calls per cell (default 30)")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (default 1, as xgrammar's kernel)"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+def _spin(cpu: int) -> None:  # pragma: no cover - runs in the competing process
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, {cpu})
+    x = 0
+    while True:
+        x += 1
+
+
+@contextlib.contextmanager
+def competitor(loaded: bool) -> Iterator[str]:
+    """A process spinning on one core for the duration (nothing when ``loaded`` is false)."""
+    if not loaded:
+        yield "none"
+        return
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    proc = mproc.get_context("spawn").Process(target=_spin, args=(cpus[0],), daemon=True)
+    proc.start()
     try:
-        import xgrammar
+        time.sleep(0.5)  # let it reach its core
+        yield f"one process spinning on CPU {cpus[0]}"
+    finally:
+        proc.terminate()
+        proc.join()
 
-        xgr_apply: Callable[[torch.Tensor, torch.Tensor], None] | None = xgrammar.apply_token_bitmask_inplace
-    except ImportError:  # pragma: no cover - xgrammar is installed in the dev environment
-        xgr_apply = None
 
+def table(
+    xgr_apply: Callable[[torch.Tensor, torch.Tensor], None] | None,
+    repeat: int,
+    label: str,
+) -> None:
+    """One table: both mask kinds, three dtypes, every peer, in the current thread setting and load."""
     # Eight requests with seven drafts plus a bonus each, full budget: 64 mask rows onto 64 logits rows.
     layout = mp.ScheduledLayout(list(range(8)), [7] * 8, [1] * 8)
     mapping = mp.GrammarRows(list(range(8))).mapping(layout)
@@ -101,8 +127,7 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     base = torch.randn(ROWS, VOCAB, generator=torch.Generator().manual_seed(0))
-    print(f"CPU mask apply, {ROWS} x {VOCAB:,}, torch threads {args.threads}; median of {args.repeat} calls")
-    print("wall: wall-clock ms; cpu: CPU ms of the calling thread; ratios: peer time / maskplug time (wall, cpu)")
+    print(f"\n{label}; median of {repeat} calls")
     head = f"{'mask':<5} {'dtype':<9}"
     for peer in ("maskplug", "xgrammar", "expand+fill"):
         head += f" {peer + ' wall':>16} {peer + ' cpu':>15}"
@@ -133,7 +158,7 @@ def main() -> None:
                 results[name] = out
             for name, out in results.items():
                 assert torch.equal(out, results["maskplug"]), f"{name} disagrees with maskplug"
-            ms = {name: median_ms(fn, source, args.repeat) for name, fn in peers.items()}
+            ms = {name: median_ms(fn, source, repeat) for name, fn in peers.items()}
             row = f"{mask_name:<5} {str(dtype).removeprefix('torch.'):<9}"
             for peer in ("maskplug", "xgrammar", "expand+fill"):
                 w, c = ms.get(peer, (float("nan"), float("nan")))
@@ -144,7 +169,44 @@ def main() -> None:
                     row += f" {f'{ms[peer][0] / ours_w:.1f}x, {ms[peer][1] / ours_c:.1f}x':>{width}}"
                 else:
                     row += f" {'-':>{width}}"
-            print(row)
+            print(row, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30, help="timed calls per cell (default 30)")
+    parser.add_argument(
+        "--threads",
+        default="1,default",
+        help="comma-separated torch intra-op thread settings of the caller: numbers or 'default' (default '1,default')",
+    )
+    parser.add_argument(
+        "--load",
+        default="idle,loaded",
+        help="comma-separated: 'idle' (the machine as it is), 'loaded' (one competing process spinning on a core)",
+    )
+    args = parser.parse_args()
+    default_threads = torch.get_num_threads()
+    settings = [default_threads if t.strip() == "default" else int(t) for t in args.threads.split(",")]
+    loads = [x.strip() for x in args.load.split(",")]
+    if any(x not in ("idle", "loaded") for x in loads):
+        parser.error(f"--load: expected 'idle' and/or 'loaded', got {args.load!r}")
+    try:
+        import xgrammar
+
+        xgr_apply: Callable[[torch.Tensor, torch.Tensor], None] | None = xgrammar.apply_token_bitmask_inplace
+    except ImportError:  # pragma: no cover - xgrammar is installed in the dev environment
+        xgr_apply = None
+
+    print(f"CPU mask apply, {ROWS} x {VOCAB:,}; {os.cpu_count()} CPUs; torch default threads {default_threads}")
+    print("wall: wall-clock ms; cpu: CPU ms of the calling thread; ratios: peer time / maskplug time (wall, cpu)")
+    print("xgrammar's CPU kernel is single-threaded whatever the torch setting")
+    for threads in settings:
+        torch.set_num_threads(threads)
+        for load in loads:
+            with competitor(load == "loaded") as who:
+                table(xgr_apply, args.repeat, f"torch threads {threads}, {load} (competitor: {who})")
+    torch.set_num_threads(default_threads)
 
 
 if __name__ == "__main__":
