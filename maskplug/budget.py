@@ -405,7 +405,9 @@ def _budget_arg(budget: Any, hi: int | None, dev: torch.device) -> int | torch.T
     return host_int("budget", budget, BudgetError, hi=hi, expected=f"0 <= budget <= Σ num_drafts = {hi}")
 
 
-def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: int | torch.Tensor) -> torch.Tensor:
+def allocate(
+    confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: int | np.integer[Any] | torch.Tensor
+) -> torch.Tensor:
     """Per-request capacities from the live confidences: the global top-``budget`` survivals.
 
     Ties are broken by position, then request, so the result is deterministic
@@ -453,7 +455,9 @@ def allocate(confidences: torch.Tensor, num_drafts: torch.Tensor | Any, budget: 
     return chosen.sum(dim=0, dtype=torch.int32)
 
 
-def allocate_step(step: StepView, confidences: torch.Tensor, budget: int | torch.Tensor) -> torch.Tensor:
+def allocate_step(
+    step: StepView, confidences: torch.Tensor, budget: int | np.integer[Any] | torch.Tensor
+) -> torch.Tensor:
     """Per-request capacities for ``budget`` from the live ``confidences``, on their device.
 
     Without draft masks this is :func:`allocate`. With them, the

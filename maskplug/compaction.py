@@ -71,12 +71,13 @@ def _cu(rows: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return cu
 
 
-def compact(layout: ScheduledLayout, budget: int, capacity: Any = None) -> Compaction:
+def compact(layout: ScheduledLayout, budget: int | np.integer[Any] | torch.Tensor, capacity: Any = None) -> Compaction:
     """Describe the batch after a verify budget of ``budget`` drafts.
 
     Pass ``capacity`` (host per-request admitted drafts, e.g. from a CPU
     allocation) to make every regime exact; it must be a per-request prefix
-    (``0 ≤ capacity ≤ num_drafts``) summing to ``budget``.
+    (``0 ≤ capacity ≤ num_drafts``) summing to ``budget``. ``budget`` may be
+    an int, a numpy integer or a 0-d host tensor, checked alike.
     """
     if not isinstance(layout, ScheduledLayout):
         raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")

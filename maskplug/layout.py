@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
 
 from ._checks import INT32_MAX, host_int, host_ints
 from .errors import LayoutError
@@ -87,6 +90,10 @@ class ScheduledLayout:
         num_non_draft: scheduled tokens per request that are not drafts (1 for
             a decode, the chunk length for a prefill).
         num_bonus: logits rows every request gets besides its drafts.
+
+    Counts may be sequences, numpy arrays or host tensors (``num_bonus`` an
+    int or a 0-d tensor), each a whole number in ``[0, 2**31 - 1]``; all
+    forms go through the same checks, so sums never wrap.
     """
 
     __slots__ = (
@@ -103,9 +110,9 @@ class ScheduledLayout:
     def __init__(
         self,
         req_ids: Sequence[Any] | npt.NDArray[Any],
-        num_drafts: Sequence[int] | npt.NDArray[Any],
-        num_non_draft: Sequence[int] | npt.NDArray[Any],
-        num_bonus: int = 1,
+        num_drafts: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
+        num_non_draft: Sequence[int] | npt.NDArray[Any] | torch.Tensor,
+        num_bonus: int | np.integer[Any] | torch.Tensor = 1,
     ) -> None:
         ids = _id_list("req_ids", req_ids)
         n = len(ids)
