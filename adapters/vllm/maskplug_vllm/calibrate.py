@@ -27,7 +27,9 @@ a logits row). Every size is warmed up first, then timed ``repeats`` times in
 round-robin order (so a slow moment of the machine spreads over all sizes) and
 the fastest kept (``statistic="min"``: on a shared machine interference only
 ever adds time, so the fastest run is the closest to the engine's own cost;
-``"median"`` is the alternative). The n-gram drafter is timed on synthetic token histories with
+``"median"`` is the alternative). A size measured slower than a larger one
+is then capped by it (:func:`lower_envelope`); the raw figures are kept in
+the file. The n-gram drafter is timed on synthetic token histories with
 vLLM's own proposer; other drafters are not measured (their draft curve is
 zero and ``draft_measured`` says so).
 """
@@ -56,6 +58,7 @@ __all__ = [
     "CostProfile",
     "default_request_counts",
     "default_token_counts",
+    "lower_envelope",
     "main",
     "profile_llm",
     "profile_runner",
@@ -245,6 +248,23 @@ def _time_ms(
     return [(n, float(pick(v))) for n, v in samples.items()]
 
 
+def lower_envelope(samples: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Each size's time capped by every larger size's: ``t(n) = min(t(m) for m >= n)``.
+
+    A bigger step never costs less, so a small size measured slower than a
+    larger one was slowed by something else (the machine's other work, a
+    first-time allocation); the larger size's time bounds it. The raw
+    figures stay in the file (``verify_measured``, ``draft_measured_ms``).
+    """
+    pairs = sorted(samples)
+    out: list[tuple[int, float]] = []
+    cap = float("inf")
+    for n, ms in reversed(pairs):
+        cap = min(cap, ms)
+        out.append((n, cap))
+    return out[::-1]
+
+
 def _device_name(device: Any) -> str:
     import torch
 
@@ -338,8 +358,8 @@ def profile_runner(
     else:
         draft = [(0, 0.0)]
     return CostProfile(
-        verify=tuple(verify),
-        draft=tuple(draft),
+        verify=tuple(lower_envelope(verify)),
+        draft=tuple(lower_envelope(draft)),
         model=str(cfg.model_config.model),
         device=_device_name(runner.device),
         max_reqs=max_reqs,
@@ -352,6 +372,8 @@ def profile_runner(
             "draft_measured": bool(draft_measured),
             "repeats": repeats,
             "statistic": statistic,
+            "verify_measured": [[n, round(ms, 6)] for n, ms in verify],
+            "draft_measured_ms": [[n, round(ms, 6)] for n, ms in draft],
             "vllm_version": _vllm_version(),
             "measured_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         },

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tiny_model
-from maskplug_vllm.calibrate import COST_FILE_FORMAT, CostProfile, read_cost_file
+from maskplug_vllm.calibrate import COST_FILE_FORMAT, CostProfile, lower_envelope, read_cost_file
 
 from maskplug import BudgetError, CostModel, ScheduledLayout, StepView, get_scheduler
 
@@ -89,6 +89,11 @@ def test_measured_costs_are_positive_and_finite(calibrated: tuple[Path, str]) ->
     profile = read_cost_file(calibrated[0])
     for _, ms in (*profile.verify, *profile.draft):
         assert math.isfinite(ms) and ms > 0
+    # The curves are the lower envelope of what was measured (kept beside them).
+    measured = [tuple(p) for p in json.loads(calibrated[0].read_text())["verify_measured"]]
+    assert [n for n, _ in measured] == TOKEN_COUNTS
+    assert all(ms <= raw for (_, ms), (_, raw) in zip(profile.verify, measured, strict=True))
+    assert list(profile.verify) == [(n, pytest.approx(ms, abs=1e-6)) for n, ms in lower_envelope(measured)]
     # A forward of the model is far dearer than proposing n-gram drafts for one request.
     assert profile.verify[0][1] > profile.draft[0][1]
 
@@ -180,3 +185,10 @@ def test_a_profile_round_trips_through_its_file(tmp_path: Path) -> None:
     assert again == profile
     assert again.meta == {"dtype": "float32"}
     assert again.cost_model().verify_ms(8) == pytest.approx(3.0)
+
+
+def test_the_lower_envelope_caps_a_small_size_by_larger_ones() -> None:
+    raw = [(1, 19.4), (2, 2.6), (4, 2.4), (8, 2.5), (16, 11.6), (32, 9.0), (64, 55.6)]
+    assert lower_envelope(raw) == [(1, 2.4), (2, 2.4), (4, 2.4), (8, 2.5), (16, 9.0), (32, 9.0), (64, 55.6)]
+    assert lower_envelope(list(reversed(raw))) == lower_envelope(raw)
+    assert lower_envelope([(3, 1.0)]) == [(3, 1.0)]

@@ -1,4 +1,4 @@
-"""The founding scenario, in vLLM's own code: mask rows for every scheduled draft, then a smaller budget.
+"""The scenario maskplug exists for, in vLLM's own code: mask rows for every scheduled draft, then a smaller budget.
 
 vLLM's scheduler produces one grammar row per scheduled draft (plus the bonus
 row) before the step's verify budget is known. When the budget then trims
