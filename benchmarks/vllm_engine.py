@@ -15,7 +15,8 @@ tokens per second and the mean engine-step time at each concurrency, for:
 * ``goodput`` and ``grammar-aware:goodput``: one engine with n-gram drafting
   of up to 5 tokens and ``MASKPLUG_VLLM=1``, the verify budget chosen every
   step by the maskplug scheduler (switched in place), with the cost curve
-  measured first by ``python -m maskplug_vllm.calibrate`` on the same model.
+  measured first by ``python -m maskplug_vllm.calibrate`` on the same model
+  (with the same clock as the summary, see below).
 
 Every engine compiles the workload's grammars once before anything is
 timed. Concurrency ``c`` is a closed loop: ``c`` requests in flight, the next one
@@ -25,7 +26,13 @@ once per process) and warms up at each concurrency with short requests
 before it is timed. The model is a Llama with random weights
 (``load_format="dummy"``) sized so that verifying more tokens costs
 measurably more (``--hidden``/``--layers``); its cost curve is printed with
-the results. The mean step time counts the steps that ran the model. With
+the results. The mean step time counts the steps that ran the model.
+
+Two clocks are recorded for every run: wall-clock time, and the engine
+process's CPU time (``time.process_time``; vLLM's CPU engine computes on one
+thread here, so on an idle machine the two agree, while on a machine shared
+with other work only the wall clock stretches). ``--clock`` picks the one the
+summary compares (default ``cpu``). With
 ``--rounds R`` every engine runs R times, round after round, and each cell
 keeps its fastest round (other work on the machine only ever slows a run).
 ``--json`` writes everything measured.
@@ -85,7 +92,7 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
     pending = list(enumerate(reqs))
     in_flight = 0
     tokens = steps = model_steps = 0
-    step_s = model_step_s = 0.0
+    step_s = model_step_s = model_step_cpu = 0.0
     finish: dict[str, int] = {}
 
     def submit() -> None:
@@ -95,17 +102,18 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
             engine.add_request(f"{tag}-{i}", r["prompt"], sampling_params(r, max_tokens))
             in_flight += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     submit()
     while in_flight or pending:
-        s0 = time.perf_counter()
+        s0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
-        dt = time.perf_counter() - s0
+        dt, dc = time.perf_counter() - s0, time.process_time() - c0
         step_s += dt
         steps += 1
         if outs:  # the model ran (a step that only waits for grammar compilation returns nothing)
             model_steps += 1
             model_step_s += dt
+            model_step_cpu += dc
         for o in outs:
             if o.finished:
                 in_flight -= 1
@@ -113,12 +121,15 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
                 reason = str(o.outputs[0].finish_reason)
                 finish[reason] = finish.get(reason, 0) + 1
         submit()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {
         "requests": len(reqs),
         "output_tokens": tokens,
         "seconds": wall,
+        "cpu_seconds": cpu,
         "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+        "mean_step_cpu_ms": 1e3 * model_step_cpu / max(1, model_steps),
         "steps": steps,
         "model_steps": model_steps,
         "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
@@ -164,7 +175,8 @@ def child(spec_json: str) -> None:
                 res["stats"] = maskplug_vllm.step_stats()
             results.append(res)
             print(
-                f"# {res['config']:<22} c={c:<3} {res['tokens_per_s']:8.1f} tok/s {res['mean_step_ms']:8.1f} ms/step",
+                f"# {res['config']:<22} c={c:<3} {res['tokens_per_s']:8.1f} tok/s {res['mean_step_ms']:8.1f} ms/step"
+                f" (CPU time: {res['tokens_per_cpu_s']:8.1f} tok/s {res['mean_step_cpu_ms']:8.1f} ms/step)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -186,7 +198,7 @@ def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _calibrate(model: str, out: Path, max_num_seqs: int) -> dict[str, Any]:
+def _calibrate(model: str, out: Path, max_num_seqs: int, clock: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     cmd = [
@@ -209,6 +221,8 @@ def _calibrate(model: str, out: Path, max_num_seqs: int) -> dict[str, Any]:
         str(MAX_SPEC),
         "--repeats",
         "7",
+        "--clock",
+        clock,
         "--engine-arg",
         "gpu_memory_utilization=0.3",
     ]
@@ -226,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="run every engine this many times; keep each cell's best")
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default="cpu",
+        help="what the summary divides by: the engine process's CPU time (default; steady on a machine "
+        "shared with other work, the engine computing on one thread) or wall-clock time",
+    )
     p.add_argument("--model-dir", default=None, help="build the model here (default: a temporary folder)")
     p.add_argument("--cost", default=None, help="use this cost file instead of calibrating")
     p.add_argument("--json", default=None, help="write every figure to this file")
@@ -254,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             cost = json.loads(cost_path.read_text())
         else:
             cost_path = Path(tmp) / "cost.json"
-            cost = _calibrate(model, cost_path, max(conc))
+            cost = _calibrate(model, cost_path, max(conc), args.clock)
         print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab 512, dummy weights (fp32)")
         print("verify cost (ms) by tokens per step: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in cost["verify"]))
         common = {
@@ -272,27 +293,29 @@ def main(argv: list[str] | None = None) -> int:
             results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": ADAPTIVE})
         elapsed = time.perf_counter() - t0
     configs = [*BASELINES, *ADAPTIVE]
+    rate, step = ("tokens_per_cpu_s", "mean_step_cpu_ms") if args.clock == "cpu" else ("tokens_per_s", "mean_step_ms")
     # Interference from other work on the machine only ever slows a run: keep each cell's fastest round.
     table: dict[tuple[str, int], dict[str, Any]] = {}
     for r in results:
         key = (r["config"], r["concurrency"])
-        if key not in table or r["tokens_per_s"] > table[key]["tokens_per_s"]:
+        if key not in table or r[rate] > table[key][rate]:
             table[key] = r
+    clock = "process CPU time" if args.clock == "cpu" else "wall-clock time"
     print(
-        f"\noutput tokens/s (mean step ms) by concurrency; {args.max_tokens} tokens max per request, "
+        f"\noutput tokens/s (mean step ms) by concurrency, in {clock}; {args.max_tokens} tokens max per request, "
         f"best of {args.rounds} rounds"
     )
     print(f"{'config':<24}" + "".join(f"{'c=' + str(c):>20}" for c in conc))
     for cfg in configs:
-        cells = [f"{table[cfg, c]['tokens_per_s']:9.1f} ({table[cfg, c]['mean_step_ms']:6.1f})" for c in conc]
+        cells = [f"{table[cfg, c][rate]:9.1f} ({table[cfg, c][step]:6.1f})" for c in conc]
         print(f"{cfg:<24}" + "".join(f"{x:>20}" for x in cells))
-    print("\nadaptive against the best of no-spec and fixed K (ratio of tokens/s)")
+    print(f"\nadaptive against the best of no-spec and fixed K (ratio of tokens/s, {clock})")
     summary = []
     for c in conc:
-        best = max(BASELINES, key=lambda b: table[b, c]["tokens_per_s"])
-        row = {"concurrency": c, "best_baseline": best, "best_tokens_per_s": table[best, c]["tokens_per_s"]}
+        best = max(BASELINES, key=lambda b: table[b, c][rate])
+        row = {"concurrency": c, "clock": args.clock, "best_baseline": best, "best_tokens_per_s": table[best, c][rate]}
         for a in ADAPTIVE:
-            row[a] = table[a, c]["tokens_per_s"] / table[best, c]["tokens_per_s"]
+            row[a] = table[a, c][rate] / table[best, c][rate]
         summary.append(row)
         print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in ADAPTIVE))
     for cfg in ADAPTIVE:

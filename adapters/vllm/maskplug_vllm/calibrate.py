@@ -233,17 +233,18 @@ def default_request_counts(max_reqs: int) -> list[int]:
 
 
 def _time_ms(
-    fns: dict[int, Callable[[], object]], repeats: int, warmup: int, statistic: str
+    fns: dict[int, Callable[[], object]], repeats: int, warmup: int, statistic: str, clock: str = "wall"
 ) -> list[tuple[int, float]]:
+    now = time.process_time if clock == "cpu" else time.perf_counter
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[int, list[float]] = {n: [] for n in fns}
     for _ in range(repeats):
         for n, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            samples[n].append((time.perf_counter() - t0) * 1e3)
+            samples[n].append((now() - t0) * 1e3)
     pick = min if statistic == "min" else statistics.median
     return [(n, float(pick(v))) for n, v in samples.items()]
 
@@ -291,6 +292,7 @@ def profile_runner(
     repeats: int = 5,
     warmup: int = 2,
     statistic: str = "min",
+    clock: str = "wall",
 ) -> CostProfile:
     """Measure a vLLM model runner in its own process (the engine must be idle).
 
@@ -301,12 +303,18 @@ def profile_runner(
         repeats: timed runs per size.
         warmup: untimed runs per size first.
         statistic: ``"min"`` (default) or ``"median"`` of the timed runs.
+        clock: ``"wall"`` (default) or ``"cpu"``: the process's CPU time, for a
+            CPU engine computing on one thread on a machine shared with other
+            work (there only the wall clock stretches); never for a GPU, whose
+            work the host's CPU time does not see.
     """
     import torch
 
     _positive_int("repeats", repeats)
     if statistic not in ("min", "median"):
         raise BudgetError(f"statistic: expected 'min' or 'median', got {statistic!r}")
+    if clock not in ("wall", "cpu"):
+        raise BudgetError(f"clock: expected 'wall' or 'cpu', got {clock!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise BudgetError(f"warmup: expected an int >= 0, got {warmup!r}")
     cfg = runner.vllm_config
@@ -334,7 +342,7 @@ def profile_runner(
 
         return run
 
-    verify = _time_ms({n: forward(n) for n in tokens}, repeats, warmup, statistic)
+    verify = _time_ms({n: forward(n) for n in tokens}, repeats, warmup, statistic, clock)
 
     drafter = getattr(runner, "drafter", None)
     method = getattr(spec, "method", None) if spec is not None else None
@@ -354,7 +362,7 @@ def profile_runner(
             ids = base[:n]
             return lambda: drafter.propose(num_spec, sampled, lengths, ids)
 
-        draft = _time_ms({n: propose(n) for n in reqs}, repeats, warmup, statistic)
+        draft = _time_ms({n: propose(n) for n in reqs}, repeats, warmup, statistic, clock)
     else:
         draft = [(0, 0.0)]
     return CostProfile(
@@ -372,6 +380,7 @@ def profile_runner(
             "draft_measured": bool(draft_measured),
             "repeats": repeats,
             "statistic": statistic,
+            "clock": clock,
             "verify_measured": [[n, round(ms, 6)] for n, ms in verify],
             "draft_measured_ms": [[n, round(ms, 6)] for n, ms in draft],
             "vllm_version": _vllm_version(),
@@ -431,6 +440,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--statistic", choices=("min", "median"), default="min")
     p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall-clock time (default) or the process's CPU time (a CPU engine on a shared machine)",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -482,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
         statistic=args.statistic,
+        clock=args.clock,
     )
     out = profile.write(args.out)
     print(f"wrote {out}: {profile.model} on {profile.device}")
