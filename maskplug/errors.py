@@ -15,6 +15,7 @@ __all__ = [
     "GrammarError",
     "LayoutError",
     "MaskplugError",
+    "MatcherInUse",
     "PluginError",
 ]
 
@@ -37,6 +38,10 @@ class BackendUnavailable(MaskplugError, RuntimeError):
 
 class GrammarError(MaskplugError, ValueError):
     """A grammar that cannot be compiled, or a token or buffer a matcher refuses."""
+
+
+class MatcherInUse(MaskplugError, RuntimeError):
+    """A matcher given to a call while another thread's call is using it (a matcher serves one call at a time)."""
 
 
 class PluginError(MaskplugError, RuntimeError):

@@ -16,6 +16,8 @@ below. The modules:
   :mod:`~maskplug.grammar.rows` (fixed mask rows) and
   :mod:`~maskplug.grammar.pools` (thread pools);
 * :mod:`~maskplug.grammar.draft`: draft-row filling and commit;
+* :mod:`~maskplug.grammar.jobs`: who holds a matcher, and draft-mask jobs
+  (``fill_draft_masks(..., wait=False)``);
 * :mod:`~maskplug.grammar.vocabs`: vocabularies from tokenizer files (and the
   real ones in the ``mistral-common`` wheel).
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from .bases import CompileCache, MatcherBase, ProviderBase
 from .checks import check_bitmask, check_token
-from .draft import commit, fill_draft_masks
+from .draft import DraftMasksJob, commit, fill_draft_masks
 from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
 from .registry import grammar_provider, grammar_providers
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
@@ -36,6 +38,7 @@ __all__ = [
     "ChainOps",
     "CompileCache",
     "CompiledGrammar",
+    "DraftMasksJob",
     "GrammarProvider",
     "GrammarSpec",
     "Matcher",

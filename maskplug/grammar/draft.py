@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -36,10 +36,11 @@ from ..draftmasks import DraftMasks
 from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
 from .checks import check_bitmask
+from .jobs import Claim, DraftMasksJob, claim, release
 from .pools import shared_pool
 from .protocols import BatchOps, ChainOps, Matcher
 
-__all__ = ["commit", "fill_draft_masks"]
+__all__ = ["DraftMasksJob", "commit", "fill_draft_masks"]
 
 IntArray = npt.NDArray[np.int64]
 _STRATEGIES = ("auto", "chains", "batch", "threads", "serial")
@@ -64,6 +65,8 @@ def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple
         )
     if flat:
         arr = np.asarray(drafts)
+        if arr.size == 0 and arr.ndim == 1:
+            arr = arr.astype(np.int64)  # [] is a float array to numpy
         if arr.dtype.kind not in "iu":
             raise LayoutError(f"drafts: expected integer token ids, got dtype {arr.dtype}")
         total = layout.total_drafts
@@ -297,71 +300,89 @@ def _eos_sets(vocabs: Sequence[Any]) -> list[frozenset[int]]:
     return out
 
 
-def fill_draft_masks(
-    matchers: Sequence[Matcher],
+class _MatcherTypes:
+    """Whether a type satisfies :class:`Matcher` (asked once per type: the protocol check is slow)."""
+
+    def __init__(self) -> None:
+        self._known: dict[type, bool] = {}
+
+    def ok(self, m: object) -> bool:
+        t = type(m)
+        known = self._known.get(t)
+        if known is None:
+            known = self._known[t] = isinstance(m, Matcher)
+        return known
+
+
+_MATCHER_TYPES = _MatcherTypes()
+
+
+def _check_matchers(matchers: Any, g_count: int) -> tuple[list[Matcher], list[int]]:
+    """The matchers as a list and their ids: one live :class:`Matcher` object per grammar request."""
+    if isinstance(matchers, (str, bytes)) or not hasattr(matchers, "__iter__"):
+        raise GrammarError(f"matchers: expected a sequence of matchers (one per grammar request), got {matchers!r:.80}")
+    ms = list(matchers)
+    if len(ms) != g_count:
+        raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
+    ok = _MATCHER_TYPES.ok
+    for g, m in enumerate(ms):
+        if not ok(m):
+            raise GrammarError(f"matchers[{g}]: expected a Matcher, got {type(m).__name__}")
+    keys = [id(m) for m in ms]
+    if len(set(keys)) != len(keys):
+        first: dict[int, int] = {}
+        for g, k in enumerate(keys):
+            if k in first:
+                raise GrammarError(
+                    f"matchers[{g}]: expected one matcher per grammar request, got the same matcher "
+                    f"as matchers[{first[k]}]"
+                )
+            first[k] = g
+    return ms, keys
+
+
+def _check_threads(threads: Any) -> int:
+    if threads is None:
+        return _DEFAULT_THREADS
+    if isinstance(threads, bool) or not hasattr(threads, "__index__") or int(threads) < 0:
+        raise LayoutError(f"threads: expected None or an int >= 0, got {threads!r:.80}")
+    return int(threads)
+
+
+@dataclass
+class _Plan:
+    """A checked fill: everything the walks need, taken from the arguments before anything is written."""
+
+    walk: _Walk
+    keys: list[int]
+    idx: IntArray
+    row0: IntArray
+    strategy: str
+    n_threads: int
+
+
+def _plan(
+    matchers: Any,
     drafts: Any,
-    bitmask: torch.Tensor,
-    rows: GrammarRows,
-    layout: ScheduledLayout,
-    *,
-    threads: int | None = None,
-    active_from: Any = None,
-    strategy: str = "auto",
-) -> DraftMasks:
-    """Fill every grammar request's mask rows for this step's scheduled drafts.
-
-    For grammar request ``g`` (in ``rows`` order) with ``k = num_drafts[r]``
-    drafts, row ``p`` (``0 <= p <= k - 1 + num_bonus``) is the grammar's mask
-    after accepting drafts ``0..p-1``; the rows follow ``rows``' producer
-    layout (ragged or fixed stride; unused fixed rows are all-allowed). At the
-    first draft the grammar refuses, advancing stops: that draft's row is
-    still constrained (the verifier samples a replacement from it) and every
-    later row is all-allowed. After an accepted stop token, later rows are
-    all-allowed too. The matchers end exactly where they started.
-
-    Args:
-        matchers: one matcher per grammar request, in ``rows`` order.
-        drafts: one token sequence per grammar request (rows order, length
-            ``num_drafts[r]`` each), or one flat 1-D array of all scheduled
-            drafts in batch order (length ``Σ num_drafts``).
-        bitmask: CPU int32 tensor, at least ``rows.num_rows(layout)`` rows of
-            ``ceil(vocab_size/32)`` words.
-        rows: the producer layout (grammar requests and their order).
-        layout: this step's scheduled layout.
-        threads: thread pool size for matchers without batch operations
-            (default: the CPU count, at most 8; ``0`` or ``1``: no pool).
-        active_from: optional reasoning gate, one position per grammar
-            request: the grammar is not active before it (those rows are
-            all-allowed and those drafts are not fed to the matcher, they
-            are not grammar text) and active from it (row ``active_from`` is
-            the matcher's current mask). A value past the window leaves every
-            row all-allowed.
-        strategy: ``"auto"`` (a provider's chain operation where it has
-            one, else its batch operations, else request by request on a
-            thread pool when the engine releases the GIL), ``"chains"`` (the
-            same), ``"batch"`` (position-major batch operations even where a
-            chain operation exists), ``"threads"`` (request by request on the
-            pool even where batch operations exist) or ``"serial"`` (request
-            by request on the calling thread). Every strategy writes the same
-            rows.
-
-    Returns:
-        :class:`DraftMasks` with the batch index, the drafts the grammar
-        accepts (a prefix length; gated drafts count as accepted) and which
-        rows allow exactly one token.
-    """
-    if strategy not in _STRATEGIES:
-        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
+    bitmask: Any,
+    rows: Any,
+    layout: Any,
+    threads: Any,
+    active_from: Any,
+    strategy: Any,
+) -> _Plan:
+    """Check every argument (no matcher state is read, nothing is written)."""
+    if not isinstance(strategy, str) or strategy not in _STRATEGIES:
+        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r:.80}")
     if not isinstance(rows, GrammarRows):
         raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
     if not isinstance(layout, ScheduledLayout):
         raise LayoutError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
+    n_threads = _check_threads(threads)
     idx = rows.batch_indices(layout)
     per = rows.rows_per_request(layout)
     g_count = int(idx.shape[0])
-    ms = list(matchers)
-    if len(ms) != g_count:
-        raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
+    ms, keys = _check_matchers(matchers, g_count)
     d, nd = _drafts_matrix(drafts, layout, idx)
     need = nd + layout.num_bonus
     gate = _gate(active_from, g_count)
@@ -370,15 +391,22 @@ def fill_draft_masks(
     if g_count > 1:
         np.cumsum(per[:-1], out=row0[1:])
 
-    # Validate everything before touching the bitmask or a matcher.
     vocabs = [getattr(m, "vocab", None) for m in ms]
     if total:
         v0 = next((v for v in vocabs if v is not None), None)
         if v0 is not None:
             check_bitmask(bitmask, total - 1, v0)
-        elif not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.shape[0] < total:
+        elif (
+            not isinstance(bitmask, torch.Tensor)
+            or bitmask.dtype != torch.int32
+            or bitmask.device.type != "cpu"
+            or bitmask.dim() != 2
+            or bitmask.shape[0] < total
+            or not bitmask.is_contiguous()
+        ):
             raise GrammarError(
-                f"bitmask: expected a 2-D tensor with at least {total} rows, got {type(bitmask).__name__}"
+                f"bitmask: expected a contiguous 2-D CPU int32 tensor with at least {total} rows, "
+                f"got {type(bitmask).__name__} {getattr(bitmask, 'shape', '')}"
             )
         # One vectorised range check per distinct vocabulary (usually one).
         by_vocab: dict[int, tuple[Any, list[int]]] = {}
@@ -402,7 +430,14 @@ def fill_draft_masks(
                 )
 
     walk = _Walk(ms, d, nd, need, gate, row0, _eos_sets(vocabs), bitmask, total)
-    n_threads = _DEFAULT_THREADS if threads is None else int(threads)
+    return _Plan(walk, keys, idx, row0, strategy, n_threads)
+
+
+def _produce(plan: _Plan) -> DraftMasks:
+    """Walk the checked plan: write the rows, restore the matchers (the caller holds them)."""
+    walk, strategy, n_threads, row0 = plan.walk, plan.strategy, plan.n_threads, plan.row0
+    ms, gate, need, bitmask, total = walk.matchers, walk.gate, walk.need, walk.bitmask, walk.total
+    g_count = len(ms)
 
     # Group requests by their provider's batch operations; "threads" (or a
     # provider without batch operations) walks request by request instead.
@@ -478,7 +513,144 @@ def fill_draft_masks(
             unknown = np.flatnonzero(~known)
             flags[unknown] = _forced_rows(bitmask, total, filled_rows[unknown])
         forced[gi, pi] = flags
-    return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
+    return DraftMasks(request=plan.idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
+
+
+def _produce_restoring(plan: _Plan, held: Claim) -> DraftMasks:
+    """:func:`_produce` on a job thread: on failure the rows go back to what they held; the claim is released."""
+    try:
+        total = plan.walk.total
+        saved = plan.walk.bitmask[:total].clone() if total else None
+        try:
+            return _produce(plan)
+        except BaseException:
+            if saved is not None:
+                plan.walk.bitmask[:total].copy_(saved)
+            raise
+    finally:
+        release(held)
+
+
+@overload
+def fill_draft_masks(
+    matchers: Sequence[Matcher],
+    drafts: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    layout: ScheduledLayout,
+    *,
+    threads: int | None = ...,
+    active_from: Any = ...,
+    strategy: str = ...,
+    wait: Literal[True] = ...,
+) -> DraftMasks: ...
+
+
+@overload
+def fill_draft_masks(
+    matchers: Sequence[Matcher],
+    drafts: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    layout: ScheduledLayout,
+    *,
+    threads: int | None = ...,
+    active_from: Any = ...,
+    strategy: str = ...,
+    wait: Literal[False],
+) -> DraftMasksJob: ...
+
+
+def fill_draft_masks(
+    matchers: Sequence[Matcher],
+    drafts: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    layout: ScheduledLayout,
+    *,
+    threads: int | None = None,
+    active_from: Any = None,
+    strategy: str = "auto",
+    wait: bool = True,
+) -> DraftMasks | DraftMasksJob:
+    """Fill every grammar request's mask rows for this step's scheduled drafts.
+
+    For grammar request ``g`` (in ``rows`` order) with ``k = num_drafts[r]``
+    drafts, row ``p`` (``0 <= p <= k - 1 + num_bonus``) is the grammar's mask
+    after accepting drafts ``0..p-1``; the rows follow ``rows``' producer
+    layout (ragged or fixed stride; unused fixed rows are all-allowed). At the
+    first draft the grammar refuses, advancing stops: that draft's row is
+    still constrained (the verifier samples a replacement from it) and every
+    later row is all-allowed. After an accepted stop token, later rows are
+    all-allowed too. The matchers end exactly where they started.
+
+    Every argument is checked before the first row is written or a matcher
+    is touched; a bad one raises a :class:`~maskplug.MaskplugError` naming
+    it and leaves the bitmask and the matchers as they were.
+
+    Threading contract: a matcher serves one call at a time. This call (and
+    :func:`commit`) holds its matchers while it runs; a matcher that a call
+    on another thread is using is refused with
+    :class:`~maskplug.MatcherInUse` before anything is written, and one that
+    an unfinished ``wait=False`` job holds is waited for (the job was started
+    first). Distinct matchers, even of one compiled grammar, may be used from
+    different threads at once. The bitmask is not guarded: calls running at
+    once must be given different rows.
+
+    Args:
+        matchers: one matcher per grammar request, in ``rows`` order (each
+            a distinct object).
+        drafts: one token sequence per grammar request (rows order, length
+            ``num_drafts[r]`` each), or one flat 1-D array of all scheduled
+            drafts in batch order (length ``Σ num_drafts``; ``[]`` when
+            nothing was drafted).
+        bitmask: CPU int32 tensor, at least ``rows.num_rows(layout)`` rows of
+            ``ceil(vocab_size/32)`` words.
+        rows: the producer layout (grammar requests and their order).
+        layout: this step's scheduled layout.
+        threads: thread pool size for matchers without batch operations
+            (default: the CPU count, at most 8; ``0`` or ``1``: no pool).
+        active_from: optional reasoning gate, one position per grammar
+            request: the grammar is not active before it (those rows are
+            all-allowed and those drafts are not fed to the matcher, they
+            are not grammar text) and active from it (row ``active_from`` is
+            the matcher's current mask). A value past the window leaves every
+            row all-allowed.
+        strategy: ``"auto"`` (a provider's chain operation where it has
+            one, else its batch operations, else request by request on a
+            thread pool when the engine releases the GIL), ``"chains"`` (the
+            same), ``"batch"`` (position-major batch operations even where a
+            chain operation exists), ``"threads"`` (request by request on the
+            pool even where batch operations exist) or ``"serial"`` (request
+            by request on the calling thread). Every strategy writes the same
+            rows.
+        wait: ``False`` returns at once with a :class:`DraftMasksJob` that
+            produces the rows on a job thread (the providers' parallel work
+            on the shared grammar pools) while the caller runs its forward
+            pass; its ``result()`` returns the :class:`DraftMasks`. The
+            arguments are checked (and refused) by this call itself; an error
+            during production is raised by ``result()``, with the bitmask
+            rows restored to what they held and the matchers where they
+            started. Until the job is done its rows and matchers are its own:
+            a :func:`commit` or a fill on one of its matchers waits for it.
+
+    Returns:
+        :class:`DraftMasks` with the batch index, the drafts the grammar
+        accepts (a prefix length; gated drafts count as accepted) and which
+        rows allow exactly one token; with ``wait=False``, the
+        :class:`DraftMasksJob` that returns it.
+    """
+    plan = _plan(matchers, drafts, bitmask, rows, layout, threads, active_from, strategy)
+    if not wait:
+        job = DraftMasksJob()
+        held = claim(plan.walk.matchers, plan.keys, "matchers", job)
+        job._start(lambda: _produce_restoring(plan, held))
+        return job
+    held = claim(plan.walk.matchers, plan.keys, "matchers")
+    try:
+        return _produce(plan)
+    finally:
+        release(held)
 
 
 def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
@@ -487,12 +659,26 @@ def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
     ``tokens`` are the accepted drafts followed by the bonus (or recovered)
     token. Advancing stops at termination (a stop token) and at the first
     token the grammar refuses (which a correctly masked step never emits);
-    the tokens after that point are not taken.
+    the tokens after that point are not taken. Arguments are checked before
+    the matcher is touched. The matcher is held while it advances (see
+    :func:`fill_draft_masks`): one in use by a call on another thread is
+    refused with :class:`~maskplug.MatcherInUse`, and an unfinished
+    ``wait=False`` fill that holds it is waited for, so a step's commit
+    never races that step's fill.
     """
+    if not _MATCHER_TYPES.ok(matcher):
+        raise GrammarError(f"matcher: expected a Matcher, got {type(matcher).__name__}")
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.detach().cpu().tolist()
-    toks = np.asarray(tokens)
-    if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):
+    if isinstance(tokens, (str, bytes)) or tokens is None:
+        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got {type(tokens).__name__}")
+    try:
+        toks = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got {type(tokens).__name__}") from exc
+    if toks.ndim == 1 and toks.size == 0:
+        toks = toks.astype(np.int64)
+    if toks.ndim != 1 or toks.dtype.kind not in "iu":
         raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got shape {toks.shape} {toks.dtype}")
     vocab = getattr(matcher, "vocab", None)
     if vocab is not None and toks.size:
@@ -500,9 +686,13 @@ def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
         if np.any(bad):
             p = int(np.argmax(bad))
             raise GrammarError(f"tokens[{p}]: expected a token id in [0, {vocab.vocab_size}), got {int(toks[p])}")
-    taken = 0
-    for t in toks.tolist():
-        if matcher.is_terminated() or not matcher.accept(int(t)):
-            break
-        taken += 1
-    return taken
+    held = claim((matcher,), [id(matcher)], "matcher")
+    try:
+        taken = 0
+        for t in toks.tolist():
+            if matcher.is_terminated() or not matcher.accept(int(t)):
+                break
+            taken += 1
+        return taken
+    finally:
+        release(held)

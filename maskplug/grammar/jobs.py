@@ -1,0 +1,145 @@
+"""Who is using a matcher, and draft-mask jobs that run while the caller does something else.
+
+A matcher is one request's grammar state and serves one call at a time.
+:func:`maskplug.fill_draft_masks` and :func:`maskplug.commit` claim the
+matchers they were given for as long as they use them (a dictionary lookup
+per matcher under one process-wide lock, nothing per row) and give them back
+on every way out, errors included:
+
+* a matcher claimed by a call running on another thread is refused with
+  :class:`~maskplug.errors.MatcherInUse` (nothing is written, no state is
+  touched): two threads driving one matcher would corrupt it;
+* a matcher claimed by a :class:`DraftMasksJob` (``fill_draft_masks(...,
+  wait=False)``) still in flight is waited for: the job was started first, so
+  the later call (the step's ``commit``, or the next step's fill) runs after
+  it, whatever thread it comes from.
+
+A :class:`DraftMasksJob` produces the rows on a job thread, which hands the
+providers' parallel work to the shared grammar pools
+(:mod:`maskplug.grammar.pools`) as the synchronous call does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..draftmasks import DraftMasks
+from ..errors import MatcherInUse
+
+__all__ = ["Claim", "DraftMasksJob", "claim", "release"]
+
+
+class Claim:
+    """The matchers one call holds (kept alive while held, so their ids stay theirs)."""
+
+    __slots__ = ("job", "keys", "matchers", "thread")
+
+    def __init__(self, matchers: Sequence[Any], keys: list[int], job: DraftMasksJob | None) -> None:
+        self.matchers = matchers
+        self.keys = keys
+        self.job = job
+        self.thread = threading.current_thread().name
+
+
+_LOCK = threading.Lock()
+_HELD: dict[int, Claim] = {}
+
+
+def claim(matchers: Sequence[Any], keys: list[int], arg: str, job: DraftMasksJob | None = None) -> Claim:
+    """Claim ``matchers`` (``keys`` are their ids) for one call, all or none.
+
+    Waits for a :class:`DraftMasksJob` in flight that holds one of them; raises
+    :class:`MatcherInUse`, naming ``arg[i]`` (or ``arg`` for one matcher),
+    when a call on another thread holds one.
+    """
+    c = Claim(matchers, keys, job)
+    while True:
+        with _LOCK:
+            if not _HELD or _HELD.keys().isdisjoint(keys):
+                for k in keys:
+                    _HELD[k] = c
+                return c
+            i = next(i for i, k in enumerate(keys) if k in _HELD)
+            other = _HELD[keys[i]]
+            holder = other.job
+            if holder is None:
+                name = arg if len(keys) == 1 and arg == "matcher" else f"{arg}[{i}]"
+                raise MatcherInUse(
+                    f"{name}: expected a matcher no other call is using, got one in use by a "
+                    f"fill_draft_masks or commit call on thread {other.thread!r} (a matcher serves one call at a time)"
+                )
+        # Outside the lock: the job gives its matchers back before it completes.
+        holder.wait()
+
+
+def release(c: Claim) -> None:
+    """Give back what :func:`claim` took."""
+    with _LOCK:
+        for k in c.keys:
+            if _HELD.get(k) is c:
+                del _HELD[k]
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _job_pool() -> ThreadPoolExecutor:
+    """The threads that drive jobs: separate from the grammar pools, which jobs wait on."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="maskplug-draft-job")
+        return _POOL
+
+
+class DraftMasksJob:
+    """The rows of one step, in production: ``result()`` waits for them and returns the :class:`DraftMasks`.
+
+    Returned by ``fill_draft_masks(..., wait=False)``. Until the job is done,
+    the rows of its bitmask belong to it (do not read or write them) and its
+    matchers are claimed: a :func:`~maskplug.commit` or another
+    ``fill_draft_masks`` on one of them waits for the job first. The job is
+    done, and its matchers are back where they started and free, before
+    ``result()`` returns or raises. When production fails, the bitmask rows
+    it was given are restored to what they held before, the matchers are
+    restored, and ``result()`` raises the error.
+    """
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: Future[DraftMasks] = Future()
+
+    def _start(self, work: Callable[[], DraftMasks]) -> None:
+        def run() -> None:
+            try:
+                value = work()
+            except BaseException as exc:  # handed to result()
+                self._future.set_exception(exc)
+            else:
+                self._future.set_result(value)
+
+        try:
+            _job_pool().submit(run)
+        except RuntimeError:  # interpreter shutting down: no new threads; do it here
+            run()
+
+    def result(self, timeout: float | None = None) -> DraftMasks:
+        """The step's :class:`DraftMasks`, once produced (raises what production raised; ``TimeoutError``)."""
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        """Whether the rows are produced (or production failed) and the matchers are free."""
+        return self._future.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """What production raised, or None; waits like :meth:`result`."""
+        return self._future.exception(timeout)
+
+    def wait(self) -> None:
+        """Wait until the job is done, without raising its error."""
+        self._future.exception()
