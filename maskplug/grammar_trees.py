@@ -1,0 +1,303 @@
+"""Filling the mask rows of draft trees (see :mod:`maskplug.trees` for the row layout).
+
+:func:`fill_tree_masks` writes, for every grammar request, the row at position
+0 (the mask after the verified prefix) and the row at position ``j + 1`` (the
+mask after the path to node ``j``), and reports per node whether it lies on a
+grammar-valid path and whether the row that checks it allows exactly one
+token. Three ways to get there, all writing the same rows:
+
+* when every grammar request's drafts form a chain, the call is
+  :func:`maskplug.fill_draft_masks` (its fast paths and results);
+* a matcher whose engine walks whole draft trees natively (xgrammar's
+  ``traverse_draft_tree``, reached through the matcher's ``raw`` engine
+  object) fills its request in one call, without Python per node;
+* every other matcher is walked depth first with the matcher protocol:
+  accept a node's token, fill its row, visit its children, roll back one.
+
+Rows below a node the grammar refuses, and the row after an accepted stop
+token, are all-allowed (nothing valid reaches them), as for chains. The
+matchers end exactly where they started, also on error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .draftmasks import DraftMasks
+from .errors import GrammarError, LayoutError
+from .grammar import fill_draft_masks
+from .grammar.checks import check_bitmask
+from .grammar.draft import _drafts_matrix
+from .grammar.pools import shared_pool
+from .grammar.protocols import Matcher
+from .layout import GrammarRows
+from .trees import DraftTree, TreeMasks
+
+__all__ = ["fill_tree_masks", "native_tree_walker"]
+
+IntArray = npt.NDArray[np.int64]
+_STRATEGIES = ("auto", "native", "walk")
+_THREADS = min(8, os.cpu_count() or 1)
+
+
+def native_tree_walker(matcher: Any) -> Callable[..., Any] | None:
+    """The engine's own draft-tree walk of ``matcher``, or None.
+
+    An engine matcher exposing ``raw.traverse_draft_tree(next_child,
+    next_sibling, tokens, bitmask)`` (xgrammar 0.2+) fills one row per tree
+    node, node 0 being the current state, and ends where it started.
+    """
+    raw = getattr(matcher, "raw", None)
+    fn = getattr(raw, "traverse_draft_tree", None)
+    return fn if callable(fn) else None
+
+
+def _links(parents: IntArray) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-child and next-sibling links over nodes ``0..D`` (0 the root, ``j + 1`` draft node ``j``)."""
+    d = parents.shape[0]
+    child = np.full(d + 1, -1, dtype=np.int64)
+    sibling = np.full(d + 1, -1, dtype=np.int64)
+    last = np.full(d + 1, -1, dtype=np.int64)
+    for j in range(d):
+        p = int(parents[j]) + 1
+        if child[p] < 0:
+            child[p] = j + 1
+        else:
+            sibling[last[p]] = j + 1
+        last[p] = j + 1
+    return torch.from_numpy(child), torch.from_numpy(sibling)
+
+
+def _bit(words: npt.NDArray[np.int32], token: int) -> bool:
+    return bool((int(words[token >> 5]) >> (token & 31)) & 1)
+
+
+def _walk_native(
+    m: Matcher,
+    toks: IntArray,
+    parents: IntArray,
+    bitmask: torch.Tensor,
+    row0: int,
+    need: int,
+    eos: frozenset[int],
+    valid: npt.NDArray[np.bool_],
+    filled: npt.NDArray[np.bool_],
+) -> None:
+    """One request through the engine's tree walk; validity read back from the rows it wrote."""
+    walk = native_tree_walker(m)
+    assert walk is not None
+    d = parents.shape[0]
+    child, sibling = _links(parents)
+    tokens = torch.zeros(d + 1, dtype=torch.int64)
+    tokens[1:] = torch.from_numpy(toks)
+    if need >= d + 1:
+        walk(child, sibling, tokens, bitmask[row0 : row0 + d + 1])
+        rows = bitmask.numpy()[row0 : row0 + d + 1]
+    else:  # no bonus row: the last node's row has no place in the bitmask
+        scratch = torch.zeros((d + 1, bitmask.shape[1]), dtype=torch.int32)
+        walk(child, sibling, tokens, scratch)
+        bitmask[row0 : row0 + need] = scratch[:need]
+        rows = scratch.numpy()
+    filled[0] = True
+    for j in range(d):
+        p = int(parents[j])
+        reach = p < 0 or (valid[p] and int(toks[p]) not in eos)
+        valid[j] = reach and _bit(rows[p + 1], int(toks[j]))
+        filled[j + 1] = valid[j] and int(toks[j]) not in eos
+
+
+def _walk_dfs(
+    m: Matcher,
+    toks: IntArray,
+    parents: IntArray,
+    bitmask: torch.Tensor,
+    row0: int,
+    need: int,
+    eos: frozenset[int],
+    valid: npt.NDArray[np.bool_],
+    filled: npt.NDArray[np.bool_],
+) -> None:
+    """Depth first with the matcher protocol: accept, fill, children, roll back one."""
+    d = parents.shape[0]
+    children: list[list[int]] = [[] for _ in range(d + 1)]
+    for j in range(d):
+        children[int(parents[j]) + 1].append(j)
+    if need >= 1:
+        m.fill(bitmask, row0)
+    filled[0] = True
+    depth = 0
+    try:
+        # Entries: node to enter (>= 0), or ~node to leave it (roll back one).
+        stack = [c for c in reversed(children[0])]
+        while stack:
+            e = stack.pop()
+            if e < 0:
+                m.rollback(1)
+                depth -= 1
+                continue
+            t = int(toks[e])
+            if not m.accept(t):
+                continue
+            depth += 1
+            valid[e] = True
+            stack.append(~e)
+            if t in eos:
+                continue  # nothing follows a stop token: its row and subtree stay unfilled
+            if e + 1 < need:
+                m.fill(bitmask, row0 + e + 1)
+            filled[e + 1] = True
+            stack.extend(reversed(children[e + 1]))
+    finally:
+        if depth:
+            m.rollback(depth)
+
+
+def fill_tree_masks(
+    matchers: Sequence[Matcher],
+    tokens: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    tree: DraftTree,
+    *,
+    threads: int | None = None,
+    strategy: str = "auto",
+) -> TreeMasks:
+    """Fill every grammar request's tree rows for this step's draft trees.
+
+    Args:
+        matchers: one matcher per grammar request, in ``rows`` order.
+        tokens: each node's token: one sequence per grammar request (rows
+            order, ``num_drafts[r]`` tokens each), or one flat 1-D array of
+            every scheduled node in batch order.
+        bitmask: CPU int32 tensor, at least ``rows.num_rows(tree.layout)``
+            rows of ``ceil(vocab_size/32)`` words.
+        rows: the producer layout (ragged or fixed); unused rows are all-allowed.
+        tree: the step's draft trees.
+        threads: thread pool size for walks whose engine releases the GIL
+            (default: the CPU count, at most 8; ``0`` or ``1``: no pool).
+        strategy: ``"auto"`` (chains through :func:`~maskplug.fill_draft_masks`,
+            native tree walks where the engine has one, else depth-first
+            walks), ``"native"`` (the same without the chain shortcut) or
+            ``"walk"`` (depth-first walks everywhere). Every strategy writes
+            the same rows.
+
+    Returns:
+        :class:`~maskplug.TreeMasks`: per node, on a grammar-valid path or
+        not, forced or not. Bad arguments raise :class:`~maskplug.LayoutError`
+        or :class:`~maskplug.GrammarError` before any row or matcher is touched.
+    """
+    if strategy not in _STRATEGIES:
+        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
+    if not isinstance(rows, GrammarRows):
+        raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
+    if not isinstance(tree, DraftTree):
+        raise LayoutError(f"tree: expected a DraftTree, got {type(tree).__name__}")
+    layout = tree.layout
+    idx = rows.batch_indices(layout)
+    per = rows.rows_per_request(layout)
+    g_count = int(idx.shape[0])
+    ms = list(matchers)
+    if len(ms) != g_count:
+        raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
+    # Chains take fill_draft_masks' fast paths (its chain operations fill the row after the last
+    # draft, so only layouts with a bonus row qualify).
+    if strategy == "auto" and layout.num_bonus >= 1 and bool(tree.is_chain[idx].all()):
+        dm = fill_draft_masks(ms, tokens, bitmask, rows, layout, threads=threads)
+        return _from_chain(dm, layout.num_drafts[idx])
+    d, nd = _drafts_matrix(tokens, layout, idx)
+    total = int(per.sum())
+    row0 = np.zeros(g_count, dtype=np.int64)
+    if g_count > 1:
+        np.cumsum(per[:-1], out=row0[1:])
+    vocabs = [getattr(m, "vocab", None) for m in ms]
+    if total:
+        v0 = next((v for v in vocabs if v is not None), None)
+        if v0 is not None:
+            check_bitmask(bitmask, total - 1, v0)
+        elif not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.shape[0] < total:
+            raise GrammarError(
+                f"bitmask: expected a 2-D tensor with at least {total} rows, got {type(bitmask).__name__}"
+            )
+        for g, v in enumerate(vocabs):
+            if v is None:
+                continue
+            if v0 is not None and v.mask_words != v0.mask_words:
+                raise GrammarError(
+                    f"matchers[{g}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
+                    f"got {v.mask_words}"
+                )
+            k = int(nd[g])
+            bad = (d[g, :k] < 0) | (d[g, :k] >= v.vocab_size)
+            if bad.any():
+                p = int(np.argmax(bad))
+                raise GrammarError(f"tokens[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(d[g, p])}")
+    width = int(nd.max()) if g_count else 0
+    valid = np.zeros((g_count, width), dtype=bool)
+    filled = np.zeros((g_count, width + 1), dtype=bool)
+    eos = [frozenset(v.eos_ids) if v is not None else frozenset() for v in vocabs]
+    need = nd + layout.num_bonus
+
+    def one(g: int) -> None:
+        r = int(idx[g])
+        k = int(nd[g])
+        par = np.asarray(tree.parents_of(r))
+        args = (ms[g], d[g, :k], par, bitmask, int(row0[g]), int(need[g]), eos[g], valid[g], filled[g])
+        if strategy != "walk" and k and native_tree_walker(ms[g]) is not None and not ms[g].is_terminated():
+            _walk_native(*args)
+        else:
+            _walk_dfs(*args)
+
+    n_threads = _THREADS if threads is None else int(threads)
+    pooled = n_threads > 1 and g_count > 1 and all(getattr(m, "releases_gil", False) for m in ms)
+    if pooled:
+        workers = min(n_threads, g_count)
+        list(
+            shared_pool(workers).map(
+                lambda part: [one(g) for g in part], [list(range(g_count))[i::workers] for i in range(workers)]
+            )
+        )
+    else:
+        for g in range(g_count):
+            one(g)
+
+    # Rows nothing valid reaches are all-allowed; extra bonus rows repeat the last node's row.
+    bm = bitmask.numpy()
+    if total:
+        blank = np.ones(total, dtype=bool)
+        for g in range(g_count):
+            k, n_rows = int(nd[g]), int(need[g])
+            live = np.flatnonzero(filled[g, : min(k + 1, n_rows)])
+            blank[int(row0[g]) + live] = False
+        bm[np.flatnonzero(blank)] = -1
+        for g in range(g_count):
+            k, n_rows, a = int(nd[g]), int(need[g]), int(row0[g])
+            if n_rows > k + 1:
+                bm[a + k + 1 : a + n_rows] = bm[a + k]
+    forced = np.zeros((g_count, width), dtype=bool)
+    for g in range(g_count):
+        k = int(nd[g])
+        if not k:
+            continue
+        par = np.asarray(tree.parents_of(int(idx[g])))
+        check = bm[int(row0[g]) + par + 1].view(np.uint8)
+        ones = np.unpackbits(check, axis=1).sum(axis=1)
+        forced[g, :k] = valid[g, :k] & (ones == 1)
+    return TreeMasks(request=idx.astype(np.int64), valid=valid, forced=forced)
+
+
+def _from_chain(dm: DraftMasks, nd: IntArray) -> TreeMasks:
+    """A chain's :class:`DraftMasks` as per-node flags (node ``j`` valid below the accepted prefix)."""
+    g = nd.shape[0]
+    width = int(nd.max()) if g else 0
+    cols = np.arange(width)[None, :]
+    valid = cols < np.asarray(dm.acceptable, dtype=np.int64)[:, None]
+    forced = np.zeros((g, width), dtype=bool)
+    w = min(width, dm.forced.shape[1])
+    forced[:, :w] = dm.forced[:, :w]
+    return TreeMasks(request=np.asarray(dm.request, dtype=np.int64), valid=valid, forced=forced & valid)

@@ -1,0 +1,184 @@
+"""fill_tree_masks against the per-node replay oracle (maskplug.reference.tree_mask_rows), every provider."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tree_cases import grammar_rows, random_parents
+
+from maskplug import (
+    DraftTree,
+    GrammarError,
+    GrammarRows,
+    GrammarSpec,
+    LayoutError,
+    ScheduledLayout,
+    fill_draft_masks,
+    fill_tree_masks,
+    grammar_providers,
+    reference,
+)
+from maskplug.grammar_trees import native_tree_walker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "grammars"))
+from grammar_testkit import REGEXES, compiled, random_walk, state_of, vocab
+
+PROVIDERS = grammar_providers()
+pytestmark = pytest.mark.skipif(not PROVIDERS, reason="no grammar provider is installed")
+
+
+def _tree_tokens(m, v, rng: random.Random, parents: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """Node tokens: mostly grammar-valid continuations of the parent's path, some invalid, some stop tokens."""
+    toks: list[int] = []
+    paths: list[list[int]] = []
+    for p in parents:
+        path = [] if p < 0 else [*paths[p], p]
+        prefix = [toks[q] for q in path]
+        took = 0
+        for t in prefix:
+            if m.is_terminated() or not m.accept(t):
+                break
+            took += 1
+        live = took == len(prefix) and not m.is_terminated()
+        walk = random_walk(m, v, rng, 1, stop=rng.random() < 0.2) if live else []
+        if took:
+            m.rollback(took)
+        if walk and rng.random() < 0.85:
+            toks.append(walk[0])
+        else:
+            toks.append(rng.randrange(len(v.tokens)))
+        paths.append(path)
+    return toks
+
+
+def _case(provider: str, rng: random.Random, mode: str, shape: str = "any", bonus: tuple[int, ...] = (1, 1, 2, 0)):  # type: ignore[no-untyped-def]
+    v = vocab("spm")
+    n = rng.randint(1, 4)
+    nb = rng.choice(bonus)
+    nd = [rng.randint(0, 7) for _ in range(n)]
+    parents = [random_parents(rng, k, shape if shape != "mixed" else rng.choice(["any", "chain"])) for k in nd]
+    layout = ScheduledLayout([f"r{i}" for i in range(n)], nd, [1] * n, num_bonus=nb)
+    tree = DraftTree(layout, parents)
+    rows = grammar_rows(rng, layout, mode)
+    matchers, tokens = [], []
+    for rid in rows.grammar_req_ids.tolist():
+        r = layout.index_of(rid)
+        m = compiled(provider, "spm", GrammarSpec("regex", rng.choice(REGEXES))).matcher()
+        for t in random_walk(m, v, rng, rng.randint(0, 2), stop=False):
+            assert m.accept(t)
+        matchers.append(m)
+        tokens.append(_tree_tokens(m, v, rng, parents[r]))
+    return v, tree, rows, matchers, tokens
+
+
+def _check(v, tree, rows, matchers, tokens, strategy: str) -> None:  # type: ignore[no-untyped-def]
+    lay = tree.layout
+    probes = [[*t, 0] for t in tokens]
+    before = [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)]
+    total = rows.num_rows(lay)
+    bm = torch.randint(-(2**31), 2**31 - 1, (total + 1, v.mask_words), dtype=torch.int32)
+    tail = bm[total:].clone()
+    got = fill_tree_masks(matchers, tokens, bm, rows, tree, strategy=strategy, threads=2)
+    assert [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)] == before
+    assert torch.equal(bm[total:], tail)
+    m_ = tree.mapping(rows)
+    full = np.full(v.mask_words, -1, dtype=np.int32)
+    for g, rid in enumerate(rows.grammar_req_ids.tolist()):
+        r = lay.index_of(rid)
+        k = int(lay.num_drafts[r])
+        par = tree.parents_of(r).tolist()
+        ref_rows, valid, forced = reference.tree_mask_rows(
+            matchers[g], v.mask_words, v.eos_ids, tokens[g], par, lay.num_bonus
+        )
+        mine = np.flatnonzero(m_.request == r)
+        assert got.request[g] == r
+        for i, row in zip(mine.tolist(), ref_rows, strict=False):
+            np.testing.assert_array_equal(bm[i].numpy(), row, err_msg=f"request {r} row {m_.position[i]}")
+        for i in mine[len(ref_rows) :].tolist():
+            raise AssertionError(f"unexpected row {i}")
+        assert got.valid[g, :k].tolist() == valid
+        assert got.forced[g, :k].tolist() == forced
+        assert not got.valid[g, k:].any() and not got.forced[g, k:].any()
+    unused = np.flatnonzero(m_.request < 0)
+    for i in unused.tolist():
+        np.testing.assert_array_equal(bm[i].numpy(), full)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("mode", ["ragged", "fixed"])
+@pytest.mark.parametrize("strategy", ["auto", "native", "walk"])
+def test_tree_rows_match_the_replay_oracle(provider: str, mode: str, strategy: str) -> None:
+    rng = random.Random(hash((provider, mode, strategy)) & 0xFFFF)
+    for _ in range(6):
+        _check(*_case(provider, rng, mode, rng.choice(["any", "mixed", "star"])), strategy)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(PROVIDERS or ["none"]), st.integers(0, 2**31), st.sampled_from(["ragged", "fixed"]))
+def test_tree_rows_property(provider: str, seed: int, mode: str) -> None:
+    rng = random.Random(seed)
+    _check(*_case(provider, rng, mode), rng.choice(["auto", "native", "walk"]))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_chain_as_tree_gives_the_chain_rows(provider: str) -> None:
+    rng = random.Random(7)
+    for mode in ("ragged", "fixed"):
+        for _ in range(4):
+            # fill_draft_masks' chain operations need a bonus row (they fill the row after the last draft).
+            v, tree, rows, matchers, tokens = _case(provider, rng, mode, "chain", bonus=(1, 2))
+            total = rows.num_rows(tree.layout)
+            a = torch.zeros((total, v.mask_words), dtype=torch.int32)
+            dm = fill_draft_masks(matchers, tokens, a, rows, tree.layout)
+            for strategy in ("auto", "native", "walk"):
+                b = torch.ones((total, v.mask_words), dtype=torch.int32)
+                tm = fill_tree_masks(matchers, tokens, b, rows, tree, strategy=strategy)
+                assert torch.equal(a, b), strategy
+                k = tm.valid.shape[1]
+                assert tm.num_valid.tolist() == dm.acceptable.tolist()
+                cols = np.arange(k)[None, :]
+                assert tm.forced.tolist() == (dm.forced[:, :k] & (cols < dm.acceptable[:, None])).tolist()
+
+
+def test_native_walk_is_used_where_the_engine_has_one() -> None:
+    if "xgrammar" not in PROVIDERS:
+        pytest.skip("xgrammar is not installed")
+    m = compiled("xgrammar", "spm", GrammarSpec("regex", REGEXES[0])).matcher()
+    assert native_tree_walker(m) is not None
+    for other in ("llguidance", "outlines-core"):
+        if other in PROVIDERS:
+            assert native_tree_walker(compiled(other, "spm", GrammarSpec("regex", REGEXES[0])).matcher()) is None
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_bad_input_touches_nothing(provider: str) -> None:
+    v = vocab("spm")
+    lay = ScheduledLayout(["a", "b"], [3, 2], [1, 1])
+    tree = DraftTree(lay, [[-1, -1, 0], [-1, 0]])
+    rows = GrammarRows(["b", "a"])
+    m = [compiled(provider, "spm", GrammarSpec("regex", REGEXES[0])).matcher() for _ in range(2)]
+    before = [state_of(x, v, [5, 6]) for x in m]
+    bm = torch.full((rows.num_rows(lay), v.mask_words), 7, dtype=torch.int32)
+    keep = bm.clone()
+    cases = [
+        ((m[:1], [[1, 2], [1, 2, 3]], bm, rows, tree), LayoutError, r"matchers: expected 2"),
+        ((m, [[1, 2], [1, 2]], bm, rows, tree), LayoutError, r"drafts\[1\]: expected num_drafts = 3"),
+        ((m, [[1, 2], [1, 2, v.vocab_size]], bm, rows, tree), GrammarError, r"tokens\[1\]\[2\]: expected a token id"),
+        ((m, [[1, 2], [1, 2, 3]], bm[:2], rows, tree), GrammarError, r"row: expected a row in \[0, 2\), got 6"),
+        ((m, [[1, 2], [1, 2, 3]], bm, rows, lay), LayoutError, r"tree: expected a DraftTree"),
+        ((m, [[1, 2], [1, 2, 3]], bm, "rows", tree), LayoutError, r"rows: expected a GrammarRows"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            fill_tree_masks(*args)  # type: ignore[arg-type]
+        assert torch.equal(bm, keep)
+        assert [state_of(x, v, [5, 6]) for x in m] == before
+    with pytest.raises(LayoutError, match=r"strategy: expected one of"):
+        fill_tree_masks(m, [[1, 2], [1, 2, 3]], bm, rows, tree, strategy="fast")
