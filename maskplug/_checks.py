@@ -49,6 +49,10 @@ def _range_text(lo: int, hi: int, v: int) -> str:
     return f">= {lo}" if v < lo else f">= {lo} and <= 2**31 - 1"
 
 
+def _want(expected: str | None, what: str, lo: int, hi: int, v: int) -> str:
+    return expected.format(lo=lo, hi=hi) if expected else f"{what} {_range_text(lo, hi, v)}"
+
+
 def host_int(
     name: str,
     value: Any,
@@ -62,8 +66,11 @@ def host_int(
 
     ``bool`` is refused (it is an int only by accident of Python's history), as
     are floats, even integral ones: a budget or a size is a count.
-    ``expected`` replaces the default description of the range in the message.
+    ``expected`` replaces the default description of the range in the
+    message; it is formatted with ``lo`` and ``hi`` (only when the check fails).
     """
+    if type(value) is int and lo <= value <= hi:  # the common case, in one comparison
+        return value
     if isinstance(value, torch.Tensor):
         if value.ndim != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise exc(f"{name}: expected an int or a 0-d integer tensor, got {_kind(value)}")
@@ -78,7 +85,8 @@ def host_int(
         raise exc(f"{name}: expected an int, got {_kind(value)}")
     v = int(value)
     if not lo <= v <= hi:
-        raise exc(f"{name}: expected {expected or 'an int ' + _range_text(lo, hi, v)}, got {v}")
+        want = expected.format(lo=lo, hi=hi) if expected else "an int " + _range_text(lo, hi, v)
+        raise exc(f"{name}: expected {want}, got {v}")
     return v
 
 
@@ -101,8 +109,8 @@ def host_ints(
     layouts always have). Refused with ``exc`` naming ``name``: a device
     tensor, anything not 1-D, bool, complex or fractional values, a wrong
     length, and values out of range (the first offender is named; ``expected``
-    replaces the default description of the range). The range check is one
-    reduction over the array.
+    replaces the default description of the range, formatted with ``lo`` and
+    ``hi``). The range check is one reduction over the array.
     """
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
@@ -122,13 +130,13 @@ def host_ints(
             raise exc(f"{name}: expected integer {what}, got dtype {arr.dtype}")
         if np.any(np.abs(arr) > 2.0**62):
             big = float(arr[np.argmax(np.abs(arr))])
-            raise exc(f"{name}: expected {expected or what + ' ' + _range_text(lo, hi, int(big))}, got {big}")
+            raise exc(f"{name}: expected {_want(expected, what, lo, hi, int(big))}, got {big}")
     if n is not None and arr.shape[0] != n:
         raise exc(f"{name}: expected {n} entries (one per request), got {arr.shape[0]}")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > hi:
         bad = int(np.argmax(arr > hi))
         v = int(arr[bad])
-        raise exc(f"{name}: expected {expected or what + ' ' + _range_text(lo, hi, v)}, got {v} at index {bad}")
+        raise exc(f"{name}: expected {_want(expected, what, lo, hi, v)}, got {v} at index {bad}")
     out = arr.astype(np.int64, copy=False)
     if out.size:
         # One reduction: shifted by lo and read unsigned, a value below lo wraps to a huge one.
@@ -136,7 +144,7 @@ def host_ints(
         if int(span.max()) > hi - lo:
             bad = int(np.argmax((out < lo) | (out > hi)))
             v = int(out[bad])
-            raise exc(f"{name}: expected {expected or what + ' ' + _range_text(lo, hi, v)}, got {v} at index {bad}")
+            raise exc(f"{name}: expected {_want(expected, what, lo, hi, v)}, got {v} at index {bad}")
     return out
 
 

@@ -402,7 +402,7 @@ def _budget_arg(budget: Any, hi: int | None, dev: torch.device) -> int | torch.T
         return _device_count_tensor("budget", budget, (), dev)
     if hi is None:
         return host_int("budget", budget, BudgetError)
-    return host_int("budget", budget, BudgetError, hi=hi, expected=f"0 <= budget <= Σ num_drafts = {hi}")
+    return host_int("budget", budget, BudgetError, hi=hi, expected="0 <= budget <= Σ num_drafts = {hi}")
 
 
 def allocate(

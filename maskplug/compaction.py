@@ -82,7 +82,7 @@ def compact(layout: ScheduledLayout, budget: int | np.integer[Any] | torch.Tenso
     if not isinstance(layout, ScheduledLayout):
         raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
     total = layout.total_drafts
-    budget = host_int("budget", budget, BudgetError, hi=total, expected=f"0 <= budget <= Σ num_drafts = {total}")
+    budget = host_int("budget", budget, BudgetError, hi=total, expected="0 <= budget <= Σ num_drafts = {hi}")
     regime = regime_of(layout, budget)
     nb = layout.num_bonus
     if capacity is not None:
