@@ -32,10 +32,12 @@ from .grammar import (
     grammar_provider,
     grammar_providers,
 )
+from .grammar_trees import fill_tree_masks
 from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
 from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
+from .trees import DraftTree, TreeCompaction, TreeMasks, choose_tree_budget, compact_tree, node_values, select_subtree
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,7 @@ __all__ = [
     "CostModel",
     "DraftMasks",
     "DraftMasksJob",
+    "DraftTree",
     "GrammarError",
     "GrammarProvider",
     "GrammarRows",
@@ -63,6 +66,8 @@ __all__ = [
     "Scheduler",
     "StepOutcome",
     "StepView",
+    "TreeCompaction",
+    "TreeMasks",
     "Vocab",
     "__version__",
     "active_cu_logits",
@@ -71,16 +76,21 @@ __all__ = [
     "apply_grammar_bitmask",
     "backend_status",
     "choose_budget",
+    "choose_tree_budget",
     "commit",
     "compact",
+    "compact_tree",
     "fill_draft_masks",
+    "fill_tree_masks",
     "get_registry",
     "get_scheduler",
     "grammar_provider",
     "grammar_providers",
     "hookimpl",
+    "node_values",
     "reference",
     "reset_registry",
     "resolve_backend",
     "schedulers",
+    "select_subtree",
 ]
