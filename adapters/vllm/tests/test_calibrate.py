@@ -59,6 +59,8 @@ def calibrated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         ",".join(map(str, REQUEST_COUNTS)),
         "--repeats",
         "3",
+        "--clock",
+        "cpu",
         "--engine-arg",
         "gpu_memory_utilization=0.3",
     ]
@@ -80,6 +82,7 @@ def test_the_cost_file_is_written_and_parses(calibrated: tuple[Path, str]) -> No
     assert data["num_speculative_tokens"] == 3
     assert data["draft_method"] == "ngram" and data["draft_measured"] is True
     assert data["vllm_version"] == "0.32.0"
+    assert data["clock"] == "cpu" and data["statistic"] == "min"
     assert Path(data["model"]).name == "model"
     profile = read_cost_file(path)
     assert profile.to_json() == data
@@ -192,3 +195,19 @@ def test_the_lower_envelope_caps_a_small_size_by_larger_ones() -> None:
     assert lower_envelope(raw) == [(1, 2.4), (2, 2.4), (4, 2.4), (8, 2.5), (16, 9.0), (32, 9.0), (64, 55.6)]
     assert lower_envelope(list(reversed(raw))) == lower_envelope(raw)
     assert lower_envelope([(3, 1.0)]) == [(3, 1.0)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"repeats": 0}, "repeats: expected an int >= 1, got 0"),
+        ({"warmup": -1}, "warmup: expected an int >= 0, got -1"),
+        ({"statistic": "mean"}, "statistic: expected 'min' or 'median', got 'mean'"),
+        ({"clock": "gpu"}, "clock: expected 'wall' or 'cpu', got 'gpu'"),
+    ],
+)
+def test_profile_arguments_are_checked_before_the_runner_is_touched(kwargs: dict[str, Any], match: str) -> None:
+    from maskplug_vllm.calibrate import profile_runner
+
+    with pytest.raises(BudgetError, match=match):
+        profile_runner(object(), **kwargs)
