@@ -37,10 +37,8 @@ def skip_other_release_tests(items: list[pytest.Item]) -> None:
         module = getattr(item, "module", None)
         releases = tuple(getattr(module, "VLLM_RELEASES", DEFAULT_RELEASES))
         if RELEASE not in releases:
-            reason = (
-                f"written for vLLM {', '.join(releases)} (its CPU engine or that release's internals); "
-                f"installed: vLLM {RELEASE}"
-            )
+            what = " (its CPU engine or its internals)" if releases == DEFAULT_RELEASES else ""
+            reason = f"written for vLLM {', '.join(releases)}{what}; installed: vLLM {RELEASE}"
             if V033:
                 reason += ", which has no CPU build to run an engine on"
             item.add_marker(pytest.mark.skip(reason=reason))
