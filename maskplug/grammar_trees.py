@@ -257,11 +257,13 @@ def fill_tree_masks(
     pooled = n_threads > 1 and g_count > 1 and all(getattr(m, "releases_gil", False) for m in ms)
     if pooled:
         workers = min(n_threads, g_count)
-        list(
-            shared_pool(workers).map(
-                lambda part: [one(g) for g in part], [list(range(g_count))[i::workers] for i in range(workers)]
-            )
-        )
+
+        def chunk(part: list[int]) -> None:
+            for g in part:
+                one(g)
+
+        # Interleaved chunks balance grammars of different cost across the workers.
+        list(shared_pool(workers).map(chunk, [list(range(g_count))[i::workers] for i in range(workers)]))
     else:
         for g in range(g_count):
             one(g)

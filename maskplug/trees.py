@@ -475,7 +475,8 @@ class TreeCompaction:
 
         Root rows stay at position 0, node ``j``'s row moves to
         ``live_position[j]`` and positions past ``num_drafts`` (extra bonus
-        rows) follow the kept nodes. Feed it, with :attr:`cu_logits`, to
+        rows, ``num_bonus > 1``) follow the kept nodes, still holding the
+        scheduled row after the last node. Feed it, with :attr:`cu_logits`, to
         :func:`~maskplug.apply_grammar_bitmask` (its kernels are unchanged).
         """
         if not isinstance(mapping, RowMapping):
