@@ -1,0 +1,186 @@
+"""Tree against chain verification at equal verify cost, on random drafter confidences.
+
+A synthetic top-k drafter: at every node the target's next token is one of
+the drafter's ``--branch`` candidates with probabilities ``q_1 >= q_2 >= ...``
+(a random split of a per-node mass ``m ~ U(0.5, 1)``: the drafter's top-1 is
+right with probability ``q_1``, its second choice with ``q_2`` and so on, and
+none of them with ``1 - m``). Every request drafts
+
+* a **chain**: the top-1 child at every level, ``--nodes`` drafts deep;
+* a **tree**: the ``--nodes`` nodes a best-first expansion of the top-k tree
+  picks (EAGLE-2's dynamic tree: always expand the node with the highest
+  path probability), so both scheduled the same number of drafts.
+
+For each verify budget ``b`` (drafts verified over the batch, the verify
+cost) the table gives the expected accepted drafts per step when the
+``b`` best chain drafts (:func:`maskplug.choose_budget`'s order) or the
+``b`` best tree nodes (:func:`maskplug.select_subtree`) are verified, and a
+Monte-Carlo check of the tree figure (sampling the target's path through the
+tree). It then runs both budget choices on a linear cost model
+(:func:`maskplug.choose_budget` and :func:`maskplug.choose_tree_budget`) and
+reports the chosen budget, the expected emitted tokens and tokens per ms.
+
+Run: ``.venv/bin/python benchmarks/trees.py [--requests 16] [--nodes 8] [--branch 3] [--seed 0] [--samples 2000] [--json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+
+import numpy as np
+
+from maskplug import CostModel, DraftTree, ScheduledLayout, choose_budget, choose_tree_budget, select_subtree
+
+
+def _split(rng: np.random.Generator, branch: int) -> np.ndarray:
+    """Probabilities that the target's next token is the drafter's 1st, 2nd, ... candidate (descending)."""
+    mass = rng.uniform(0.5, 1.0)
+    w = np.sort(rng.dirichlet(np.full(branch, 0.6)))[::-1]
+    return mass * w
+
+
+def _request(rng: np.random.Generator, nodes: int, branch: int) -> tuple[list[int], list[float], list[float]]:
+    """One request's best-first tree (parents, conditional confidences) and its top-1 chain's confidences."""
+    parents: list[int] = []
+    conf: list[float] = []
+    # Children splits are drawn lazily per expanded node, the same ones the chain follows.
+    splits: dict[int, np.ndarray] = {}
+
+    def split_of(node: int) -> np.ndarray:
+        if node not in splits:
+            splits[node] = _split(rng, branch)
+        return splits[node]
+
+    # Heap of candidate children: (-path value, parent, rank, conditional confidence).
+    root = split_of(-1)
+    heap = [(-float(root[i]), -1, i, float(root[i])) for i in range(branch)]
+    heapq.heapify(heap)
+    value: list[float] = []
+    while len(parents) < nodes and heap:
+        neg, par, _rank, q = heapq.heappop(heap)
+        j = len(parents)
+        parents.append(par)
+        conf.append(q)
+        value.append(-neg)
+        s = split_of(j)
+        for i in range(branch):
+            heapq.heappush(heap, (-(value[j] * float(s[i])), j, i, float(s[i])))
+    # The chain: the top-1 child at every level (the same draws where the tree expanded them).
+    chain: list[float] = []
+    node = -1
+    for _ in range(nodes):
+        q = float(split_of(node)[0])
+        chain.append(q)
+        kids = [j for j, p in enumerate(parents) if p == node and conf[j] == q]
+        if kids:
+            node = kids[0]
+        else:
+            node = -(len(splits) + 10)  # off the tree: fresh draws from here on
+    return parents, conf, chain
+
+
+def _sample_tree(
+    rng: np.random.Generator, parents: list[int], conf: list[float], keep: np.ndarray, branch_of: dict[int, list[int]]
+) -> int:
+    """Accepted drafts when the target walks the kept tree: at each node, one child with its probability."""
+    node, got = -1, 0
+    while True:
+        kids = [j for j in branch_of.get(node, []) if keep[j]]
+        if not kids:
+            return got
+        u = rng.random()
+        acc = 0.0
+        nxt = None
+        for j in kids:  # children are disjoint events (different tokens)
+            acc += conf[j]
+            if u < acc:
+                nxt = j
+                break
+        if nxt is None:
+            return got
+        node, got = nxt, got + 1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--nodes", type=int, default=8, help="drafts scheduled per request (chain depth = tree size)")
+    ap.add_argument("--branch", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=2000, help="Monte-Carlo steps per budget for the tree check")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rng = np.random.default_rng(a.seed)
+    n, k = a.requests, a.nodes
+    reqs = [_request(rng, k, a.branch) for _ in range(n)]
+    layout = ScheduledLayout(list(range(n)), [k] * n, [1] * n)
+    tree = DraftTree(layout, [p for p, _, _ in reqs])
+    tconf = np.array([c for _, c, _ in reqs])
+    cconf = np.array([c for _, _, c in reqs])
+    chain_surv = np.sort(np.cumprod(cconf, axis=1).ravel())[::-1]
+    rows = []
+    mc = np.random.default_rng(a.seed + 1)
+    kids: list[dict[int, list[int]]] = []
+    for p, _, _ in reqs:
+        d: dict[int, list[int]] = {}
+        for j, q in enumerate(p):
+            d.setdefault(q, []).append(j)
+        kids.append(d)
+    from maskplug import node_values
+
+    vals = node_values(tconf, tree)
+    for b in sorted({0, n // 2, n, 2 * n, 3 * n, 4 * n, n * k}):
+        keep = select_subtree(tconf, tree, b)
+        tree_est = float(vals[keep].sum())
+        chain_est = float(chain_surv[:b].sum())
+        per = keep.reshape(n, k)
+        sampled = 0
+        for _ in range(a.samples):
+            r = int(mc.integers(n))
+            sampled += _sample_tree(mc, reqs[r][0], reqs[r][1], per[r], kids[r])
+        rows.append(
+            {
+                "budget": b,
+                "chain_expected": round(chain_est, 3),
+                "tree_expected": round(tree_est, 3),
+                "tree_sampled": round(sampled / a.samples * n, 3),
+                "gain": round(tree_est / chain_est, 3) if chain_est else None,
+            }
+        )
+    cost = CostModel.linear()
+    cd = choose_budget(cconf, layout, cost)
+    td = choose_tree_budget(tconf, tree, cost)
+    budgets = {
+        "cost_model": "CostModel.linear() (verify 5 ms + 0.02 ms/token, draft 1 ms + 0.01 ms/request)",
+        "chain": {
+            "budget": cd.budget,
+            "tokens": round(cd.expected_tokens, 3),
+            "tokens_per_ms": round(cd.expected_tokens / cd.cost_ms, 4),
+        },
+        "tree": {
+            "budget": td.budget,
+            "tokens": round(td.expected_tokens, 3),
+            "tokens_per_ms": round(td.expected_tokens / td.cost_ms, 4),
+        },
+    }
+    if a.json:
+        print(json.dumps({"args": vars(a), "equal_cost": rows, "choose_budget": budgets}, indent=2))
+        return
+    print(f"{n} requests, {k} drafts each (chain depth {k} / tree of {k} nodes, branch {a.branch}), seed {a.seed}")
+    print("expected accepted drafts per step at equal verify budget (drafts verified over the batch):")
+    print(f"{'budget':>7} {'chain':>9} {'tree':>9} {'tree (MC)':>10} {'tree/chain':>11}")
+    for r in rows:
+        g = "" if r["gain"] is None else f"{r['gain']:.3f}"
+        print(
+            f"{r['budget']:>7} {r['chain_expected']:>9.3f} {r['tree_expected']:>9.3f} {r['tree_sampled']:>10.3f} {g:>11}"
+        )
+    print(f"budget choice on {budgets['cost_model']}:")
+    for name in ("chain", "tree"):
+        d = budgets[name]
+        print(f"  {name:5} b={d['budget']:>4}  expected tokens {d['tokens']:.3f}  tokens/ms {d['tokens_per_ms']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
