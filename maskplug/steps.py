@@ -24,21 +24,21 @@ costs what one step of the plain functions costs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from ._checks import host_int, host_ints
 from .budget import BudgetDecision, CostModel, choose_budget, host_confidences
-from .compaction import Compaction, compact
+from .compaction import Compaction, compact, regime_of
 from .errors import BudgetError, LayoutError
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 
 __all__ = ["Step", "StepPlanner"]
 
 IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
 
 # The planner fills a ScheduledLayout's fields directly (the id index is the
 # part worth reusing). It does so only while the layout has exactly these
@@ -48,9 +48,12 @@ _LAYOUT_FIELDS = frozenset(
 )
 _FILL_LAYOUT = frozenset(getattr(ScheduledLayout, "__slots__", ())) == _LAYOUT_FIELDS
 
+# From this many requests on, survivals are multiplied column by column (a few
+# long vector products) instead of by cumprod along each short row.
+_COLUMNWISE_FROM = 64
 
-@dataclass(frozen=True)
-class Step:
+
+class Step(NamedTuple):
     """The host view of one step, as the core functions would have built it.
 
     Attributes:
@@ -68,6 +71,47 @@ class Step:
     mapping: RowMapping
 
 
+class _Counts:
+    """What follows from one step's (already checked) draft and token counts; kept while they repeat.
+
+    Arrays here are never handed out: every step gets its own copies.
+    """
+
+    __slots__ = (
+        "base",
+        "before",
+        "cu",
+        "full_tokens",
+        "k",
+        "key",
+        "live",
+        "mapping",
+        "n",
+        "total",
+        "zero_cu",
+    )
+
+    def __init__(self, nd: IntArray, nn: IntArray, num_bonus: int, key: tuple[bytes, bytes] | None) -> None:
+        n = nd.shape[0]
+        self.key = key
+        self.n = n
+        self.total = int(nd.sum())
+        self.base = int(nn.sum())
+        self.k = int(nd.max()) if n else 0
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(nd + num_bonus, out=cu[1:])
+        self.cu = cu
+        before = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            np.cumsum(nd[:-1], out=before[1:])
+        self.before = before
+        self.full_tokens = nn + nd
+        self.zero_cu = np.arange(n + 1, dtype=np.int64) * num_bonus
+        # Which entries of the (n, k) survivals are scheduled drafts; None when all are.
+        self.live = None if self.total == n * self.k else np.arange(self.k)[None, :] < nd[:, None]
+        self.mapping: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
+
+
 class StepPlanner:
     """Per-step host work for a batch whose requests stay the same across steps.
 
@@ -82,6 +126,11 @@ class StepPlanner:
     Raises:
         LayoutError: duplicate or unknown ids, a bad ``num_bonus``, ``mode`` or ``stride``.
         BudgetError: ``cost`` is not a :class:`~maskplug.CostModel`.
+
+    Steps whose draft and token counts repeat the previous step's (int64
+    arrays with the same values, the common case between steps) reuse what
+    follows from them; their values are compared, never their identity, so
+    an engine may refill the same buffers in place.
     """
 
     def __init__(
@@ -115,7 +164,8 @@ class StepPlanner:
             and type(cost).verify_ms is CostModel.verify_ms
         )
         self._draft_ms = float(cost._draft.span(self._n, 1)[0]) if plain and cost is not None else None
-        self._uniform: dict[int, tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]] = {}
+        self._last: _Counts | None = None
+        self._costs: tuple[int, int, FloatArray] | None = None
 
     @property
     def n(self) -> int:
@@ -127,14 +177,32 @@ class StepPlanner:
         """How the mask rows are laid out (the producer's order, mode and stride)."""
         return self._rows
 
-    def layout(self, num_drafts: Any, num_non_draft: Any) -> ScheduledLayout:
-        """The step's :class:`~maskplug.ScheduledLayout` (equal to building one from the planner's ids)."""
-        if not _FILL_LAYOUT:
-            return ScheduledLayout(self._proto._ids, num_drafts, num_non_draft, self._num_bonus)
+    # -- layout ------------------------------------------------------------------
+    def _counts(self, num_drafts: Any, num_non_draft: Any) -> tuple[IntArray, IntArray, _Counts]:
+        """The step's checked counts and what follows from them (reused when they repeat the last step's)."""
         n = self._n
+        last = self._last
+        key: tuple[bytes, bytes] | None = None
+        if (
+            type(num_drafts) is np.ndarray
+            and type(num_non_draft) is np.ndarray
+            and num_drafts.dtype == np.int64
+            and num_non_draft.dtype == np.int64
+            and num_drafts.shape == (n,)
+            and num_non_draft.shape == (n,)
+        ):
+            key = (num_drafts.tobytes(), num_non_draft.tobytes())
+            if last is not None and last.key == key:
+                # The same values as counts that passed the layout's checks: valid, and what followed still holds.
+                return num_drafts, num_non_draft, last
         # The layout's own count checks, so errors read exactly as the constructor's.
         nd = host_ints("num_drafts", num_drafts, LayoutError, n=n, integral_floats=True)
         nn = host_ints("num_non_draft", num_non_draft, LayoutError, n=n, integral_floats=True)
+        counts = _Counts(nd, nn, self._num_bonus, key)
+        self._last = counts
+        return nd, nn, counts
+
+    def _layout(self, nd: IntArray, nn: IntArray, counts: _Counts) -> ScheduledLayout:
         proto = self._proto
         out = object.__new__(ScheduledLayout)
         out._ids = proto._ids
@@ -143,11 +211,15 @@ class StepPlanner:
         out.num_drafts = nd
         out.num_non_draft = nn
         out.num_bonus = self._num_bonus
-        out.total_drafts = int(nd.sum())
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(nd + self._num_bonus, out=cu[1:])
-        out.cu_scheduled = cu
+        out.total_drafts = counts.total
+        out.cu_scheduled = counts.cu.copy()
         return out
+
+    def layout(self, num_drafts: Any, num_non_draft: Any) -> ScheduledLayout:
+        """The step's :class:`~maskplug.ScheduledLayout` (equal to building one from the planner's ids)."""
+        if not _FILL_LAYOUT:
+            return ScheduledLayout(self._proto._ids, num_drafts, num_non_draft, self._num_bonus)
+        return self._layout(*self._counts(num_drafts, num_non_draft))
 
     def step(
         self,
@@ -171,22 +243,33 @@ class StepPlanner:
             BudgetError: bad confidences, budget or limits, or no cost model
                 to choose a budget with. Nothing is returned on any error.
         """
-        layout = self.layout(num_drafts, num_non_draft)
+        if confidences is not None and budget is not None:
+            raise BudgetError("budget: expected None when confidences are given (the budget is chosen from them)")
+        if confidences is None and (num_sampling is not None or max_logits is not None):
+            raise BudgetError("num_sampling, max_logits: only meaningful when confidences are given")
+        if not _FILL_LAYOUT:
+            layout = ScheduledLayout(self._proto._ids, num_drafts, num_non_draft, self._num_bonus)
+            counts = _Counts(layout.num_drafts, layout.num_non_draft, self._num_bonus, None)
+        else:
+            nd, nn, counts = self._counts(num_drafts, num_non_draft)
+            layout = self._layout(nd, nn, counts)
         decision: BudgetDecision | None = None
         if confidences is not None:
-            if budget is not None:
-                raise BudgetError("budget: expected None when confidences are given (the budget is chosen from them)")
-            decision = self._choose(confidences, layout, num_sampling, max_logits)
+            decision = self._choose(confidences, layout, counts, num_sampling, max_logits)
             b = decision.budget
+            comp = self._compact(layout, counts, b)
+        elif budget is not None:
+            comp = compact(layout, budget)  # the core checks a given budget
+            b = int(budget)
         else:
-            if num_sampling is not None or max_logits is not None:
-                raise BudgetError("num_sampling, max_logits: only meaningful when confidences are given")
-            b = layout.total_drafts if budget is None else budget
-        comp = compact(layout, b)  # checks a given budget against the layout
-        return Step(layout, decision, int(b), comp, self._mapping(layout))
+            b = counts.total
+            comp = self._compact(layout, counts, b)
+        return Step(layout, decision, b, comp, self._mapping(layout, counts))
 
     # -- budget ------------------------------------------------------------------
-    def _choose(self, confidences: Any, layout: ScheduledLayout, num_sampling: Any, max_logits: Any) -> BudgetDecision:
+    def _choose(
+        self, confidences: Any, layout: ScheduledLayout, counts: _Counts, num_sampling: Any, max_logits: Any
+    ) -> BudgetDecision:
         cost = self._cost
         if cost is None:
             raise BudgetError("cost: expected a CostModel to choose a budget from confidences (give it to StepPlanner)")
@@ -196,51 +279,78 @@ class StepPlanner:
         conf = host_confidences(confidences, layout)
         n = self._n
         ns = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
-        nd = layout.num_drafts
-        total = layout.total_drafts
-        cap = total
+        cap = counts.total
         if max_logits is not None:
             room = host_int("max_logits", max_logits, BudgetError) - n * self._num_bonus
             if room < 0:  # let the core word the error
                 return choose_budget(conf, layout, cost, num_sampling=ns, max_logits=max_logits)
             cap = min(cap, room)
-        k = int(nd.max()) if n else 0
-        if k == 0:
-            top = np.zeros(0, dtype=np.float64)
-        else:
-            s = np.cumprod(conf[:, :k], axis=1)
-            flat = s.ravel() if total == n * k else s[np.arange(k)[None, :] < nd[:, None]]
-            top = np.sort(flat)[::-1][:cap]
+        k = counts.k
         est = np.empty(cap + 1, dtype=np.float64)
         est[0] = float(ns)
-        np.cumsum(top, out=est[1:])
-        est[1:] += float(ns)
-        costs = self._draft_ms + cost._verify.span(int(layout.num_non_draft.sum()), cap + 1)
+        if k and cap:
+            if n < _COLUMNWISE_FROM:
+                surv = np.cumprod(conf[:, :k], axis=1)
+                flat = surv.ravel() if counts.live is None else surv[counts.live]
+            else:
+                # Column by column: the same products in the same order as cumprod along rows,
+                # laid out draft-major (the order is irrelevant: they are sorted next).
+                cols = np.empty((k, n), dtype=np.float64)
+                cols[:] = conf[:, :k].T
+                for j in range(1, k):
+                    np.multiply(cols[j - 1], cols[j], out=cols[j])
+                flat = cols.ravel() if counts.live is None else cols[counts.live.T]
+            # Largest first: sorting the negated survivals keeps them contiguous for the running sum.
+            # Negating is exact and rounding is symmetric in sign, so ns - (sum of negated) is
+            # bit for bit ns + (sum of the survivals), the core's est.
+            neg = np.sort(np.negative(flat))[:cap]
+            np.cumsum(neg, out=est[1:])
+            np.subtract(est[0], est[1:], out=est[1:])
+        else:
+            est[1:] = est[0]  # no survivals: cap is 0
+        costs = self._step_costs(counts.base, cap)
         if costs[0] <= 0:  # a plain model's costs never fall: the first is the smallest; the core words the error
             return choose_budget(conf, layout, cost, num_sampling=ns, max_logits=max_logits)
         b = int(np.argmax(est / costs))
         return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
 
-    # -- mapping -----------------------------------------------------------------
-    def _mapping(self, layout: ScheduledLayout) -> RowMapping:
+    def _step_costs(self, base: int, cap: int) -> FloatArray:
+        """``draft_ms(n) + verify_ms(base .. base + cap)`` (kept while base and cap repeat)."""
+        c = self._costs
+        if c is not None and c[0] == base and c[1] == cap:
+            return c[2]
+        assert self._cost is not None and self._draft_ms is not None
+        costs = self._draft_ms + self._cost._verify.span(base, cap + 1)
+        self._costs = (base, cap, costs)
+        return costs
+
+    # -- compaction and mapping ----------------------------------------------------
+    def _compact(self, layout: ScheduledLayout, counts: _Counts, b: int) -> Compaction:
+        """:func:`~maskplug.compact` at a budget known to be valid (chosen, or every draft)."""
+        regime = regime_of(layout, b)
+        if regime == "full":
+            return Compaction(regime, counts.full_tokens.copy(), counts.cu.copy(), True)
+        if regime == "zero":
+            return Compaction(regime, layout.num_non_draft.copy(), counts.zero_cu.copy(), True)
+        # compact's placeholder split, clip(b - before, 0, num_drafts), with the ufuncs called directly.
+        placeholder = np.subtract(b, counts.before)
+        np.maximum(placeholder, 0, out=placeholder)
+        np.minimum(placeholder, layout.num_drafts, out=placeholder)
+        placeholder += layout.num_non_draft
+        return Compaction(regime, placeholder, counts.cu.copy(), False)
+
+    def _mapping(self, layout: ScheduledLayout, counts: _Counts) -> RowMapping:
         if self._rows.mode != "ragged":
             return self._rows.mapping(layout)
-        g = self._grammar
-        per = layout.num_drafts[g] + self._num_bonus
-        if per.size and per.min() == per.max():
-            rows = int(per[0]) if per.size else 0
-            cached = self._uniform.get(rows)
-            if cached is None:
-                cached = (
-                    np.repeat(self._grammar32, rows),
-                    np.tile(np.arange(rows, dtype=np.int32), g.shape[0]),
-                )
-                self._uniform = {rows: cached}  # the last uniform shape only
-            return RowMapping(cached[0].copy(), cached[1].copy())
-        total = int(per.sum())
-        starts = np.zeros(per.shape[0], dtype=np.int32)
-        if per.shape[0] > 1:
-            np.cumsum(per[:-1], out=starts[1:])
-        request = np.repeat(self._grammar32, per)
-        position = np.arange(total, dtype=np.int32) - np.repeat(starts, per)
-        return RowMapping(request, position)
+        m = counts.mapping
+        if m is None:
+            g = self._grammar
+            per = layout.num_drafts[g] + self._num_bonus
+            total = int(per.sum())
+            starts = np.zeros(per.shape[0], dtype=np.int32)
+            if per.shape[0] > 1:
+                np.cumsum(per[:-1], out=starts[1:])
+            request = np.repeat(self._grammar32, per)
+            position = np.arange(total, dtype=np.int32) - np.repeat(starts, per)
+            m = counts.mapping = (request, position)
+        return RowMapping(m[0].copy(), m[1].copy())

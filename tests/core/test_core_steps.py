@@ -100,6 +100,8 @@ def planners(draw: st.DrawFn) -> dict[str, Any]:
         "stride": (max_drafts + 2) if mode == "fixed" else None,
         "max_drafts": max_drafts,
         "cost": draw(st.sampled_from([COST, CURVES, SlowerCost.linear()])),
+        # Survivals by rows (cumprod) or column by column, whatever the batch size.
+        "columnwise_from": draw(st.sampled_from([0, 10**9])),
         "steps": draw(
             st.lists(
                 st.tuples(
@@ -116,6 +118,15 @@ def planners(draw: st.DrawFn) -> dict[str, Any]:
 
 @given(planners())
 def test_planner_steps_equal_the_core_functions(p: dict[str, Any]) -> None:
+    saved = steps_mod._COLUMNWISE_FROM
+    steps_mod._COLUMNWISE_FROM = p["columnwise_from"]
+    try:
+        _check_steps(p)
+    finally:
+        steps_mod._COLUMNWISE_FROM = saved
+
+
+def _check_steps(p: dict[str, Any]) -> None:
     rng: np.random.Generator = p["rng"]
     n = len(p["req_ids"])
     planner = StepPlanner(
