@@ -373,3 +373,38 @@ def test_difference_ragged_rows_through_vllm_033_scatter_path(tokenizer: Any) ->
     # 5 // 2 = 2 rows and hands "letters" row 2 (a "digits" row) instead of row 4.
     assert bool(torch.isfinite(right[4, letter])) and not bool(torch.isfinite(right[4, digit]))
     assert bool(torch.isfinite(wrong[4, digit])) and not bool(torch.isfinite(wrong[4, letter]))
+
+
+def test_batch_sharded_sampling_splits_maskplug_rows_by_request(tokenizer: Any) -> None:
+    """vLLM 0.33's batch-sharded sampling hands each rank the blocks of the grammar requests it owns
+    (``_shard_grammar_output`` reshapes the bitmask into one block per request); maskplug's fixed rows
+    split into exactly the used rows vLLM's own producer gives each rank."""
+    from vllm.v1.worker.gpu.sample.batch_shard import _shard_grammar_output
+
+    theirs_backend = XgrammarBackend(_vllm_config(), tokenizer=tokenizer, vocab_size=tiny_model.VOCAB_SIZE)
+    ours_backend = MaskplugBackend(_vllm_config(), tokenizer, tiny_model.VOCAB_SIZE, "xgrammar")
+    theirs_mgr, ours_mgr = _manager(theirs_backend), _manager(ours_backend)
+    fill = _ours_fill()
+    rng = np.random.default_rng(45)
+    schemas = _schemas()
+    split = 0
+    for step in range(30):
+        ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+        order = [ids[i] for i in rng.permutation(len(ids))]
+        want_rows = StructuredOutputManager.grammar_bitmask(theirs_mgr, theirs_req, order, spec).copy()
+        got_rows = fill(ours_mgr, ours_req, order, spec).copy()
+        acceptable = [len(so_utils.strip_speculative_padding(spec.get(r, []))) for r in order]
+        local = [r for r in ids if rng.random() < 0.5]
+        theirs = _shard_grammar_output(GrammarOutput(order, want_rows, acceptable), local)
+        ours = _shard_grammar_output(GrammarOutput(order, got_rows, acceptable), local)
+        if theirs is None:
+            assert ours is None and not set(local) & set(order)
+            continue
+        assert ours is not None
+        assert ours.structured_output_request_ids == theirs.structured_output_request_ids
+        assert ours.num_acceptable_drafts == theirs.num_acceptable_drafts
+        used = _used(spec, ours.structured_output_request_ids)
+        assert ours.grammar_bitmask.shape == theirs.grammar_bitmask.shape
+        assert np.array_equal(ours.grammar_bitmask[used], theirs.grammar_bitmask[used])
+        split += 1
+    assert split > 10
