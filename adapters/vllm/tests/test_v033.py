@@ -408,3 +408,38 @@ def test_batch_sharded_sampling_splits_maskplug_rows_by_request(tokenizer: Any) 
         assert np.array_equal(ours.grammar_bitmask[used], theirs.grammar_bitmask[used])
         split += 1
     assert split > 10
+
+
+def test_reasoning_gate_falls_back_to_vllm_033_loop_over_maskplug_grammars(tokenizer: Any) -> None:
+    """With a reasoning parser that gates the grammar, vLLM 0.33's own loop (its 4-tuple
+    ``_fill_bitmasks``) drives the maskplug grammars; once reasoning has ended its rows are
+    maskplug's producer rows."""
+    ours_backend = MaskplugBackend(_vllm_config(), tokenizer, tiny_model.VOCAB_SIZE, "xgrammar")
+    theirs_backend = XgrammarBackend(_vllm_config(), tokenizer=tokenizer, vocab_size=tiny_model.VOCAB_SIZE)
+    gated, plain = _manager(ours_backend), _manager(ours_backend)
+    gated.reasoner_cls = object  # any parser: the adapter hands the step to vLLM's loop
+    fill = _ours_fill()
+    calls: list[int] = []
+    vllm_fill = StructuredOutputManager._fill_bitmasks
+
+    def counting_fill(self: Any, batch: Any) -> None:
+        batch = list(batch)
+        assert all(len(entry) == 4 for entry in batch)
+        calls.append(len(batch))
+        vllm_fill(self, batch)
+
+    rng = np.random.default_rng(47)
+    schemas = _schemas()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(StructuredOutputManager, "_fill_bitmasks", counting_fill)
+        for step in range(20):
+            ids, _, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+            order = [ids[i] for i in rng.permutation(len(ids))]
+            before = len(calls)
+            via_vllm = fill(gated, ours_req, order, spec).copy()
+            assert len(calls) > before
+            calls_after = len(calls)
+            ours = fill(plain, ours_req, order, spec).copy()
+            assert len(calls) == calls_after  # maskplug's own producer never calls vLLM's fill
+            used = _used(spec, order)
+            assert np.array_equal(via_vllm[used], ours[used])
