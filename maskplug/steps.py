@@ -91,7 +91,7 @@ class _Counts:
         "zero_cu",
     )
 
-    def __init__(self, nd: IntArray, nn: IntArray, num_bonus: int, key: tuple[bytes, bytes] | None) -> None:
+    def __init__(self, nd: IntArray, nn: IntArray, num_bonus: int, key: tuple[str, bytes, str, bytes] | None) -> None:
         n = nd.shape[0]
         self.key = key
         self.n = n
@@ -182,19 +182,20 @@ class StepPlanner:
         """The step's checked counts and what follows from them (reused when they repeat the last step's)."""
         n = self._n
         last = self._last
-        key: tuple[bytes, bytes] | None = None
+        key: tuple[str, bytes, str, bytes] | None = None
         if (
             type(num_drafts) is np.ndarray
             and type(num_non_draft) is np.ndarray
-            and num_drafts.dtype == np.int64
-            and num_non_draft.dtype == np.int64
+            and num_drafts.dtype.kind in "iu"
+            and num_non_draft.dtype.kind in "iu"
             and num_drafts.shape == (n,)
             and num_non_draft.shape == (n,)
         ):
-            key = (num_drafts.tobytes(), num_non_draft.tobytes())
+            key = (num_drafts.dtype.str, num_drafts.tobytes(), num_non_draft.dtype.str, num_non_draft.tobytes())
             if last is not None and last.key == key:
-                # The same values as counts that passed the layout's checks: valid, and what followed still holds.
-                return num_drafts, num_non_draft, last
+                # The same values, of the same dtype, as counts that passed the layout's checks: valid,
+                # and what followed from them still holds. As int64, as the checks hand them on.
+                return num_drafts.astype(np.int64, copy=False), num_non_draft.astype(np.int64, copy=False), last
         # The layout's own count checks, so errors read exactly as the constructor's.
         nd = host_ints("num_drafts", num_drafts, LayoutError, n=n, integral_floats=True)
         nn = host_ints("num_non_draft", num_non_draft, LayoutError, n=n, integral_floats=True)

@@ -105,9 +105,9 @@ def planners(draw: st.DrawFn) -> dict[str, Any]:
         "steps": draw(
             st.lists(
                 st.tuples(
-                    st.sampled_from(["uniform", "ragged", "zero"]),
+                    st.sampled_from(["uniform", "ragged", "zero", "repeat"]),
                     st.sampled_from(["choose", "choose-limits", "given", "full"]),
-                    st.sampled_from(["numpy", "list", "tensor"]),
+                    st.sampled_from(["numpy", "numpy32", "inplace", "list", "tensor"]),
                 ),
                 min_size=1,
                 max_size=6,
@@ -134,22 +134,38 @@ def _check_steps(p: dict[str, Any]) -> None:
     )
     rows = mp.GrammarRows(p["grammar"], p["mode"], p["stride"])
     assert planner.n == n
+    # An engine's count buffers, refilled in place every step ("inplace").
+    nd_buf = np.zeros(n, dtype=np.int64)
+    nn_buf = np.zeros(n, dtype=np.int64)
+    prev_nd = prev_nn = None
     for drafts, how, form in p["steps"]:
         md = p["max_drafts"]
-        if drafts == "uniform":
+        if drafts == "repeat" and prev_nd is not None and prev_nn is not None:
+            nd, nn = prev_nd.copy(), prev_nn.copy()  # the same counts as the step before
+        elif drafts == "uniform":
             nd = np.full(n, md, dtype=np.int64)
-        elif drafts == "ragged":
-            nd = rng.integers(0, md + 1, size=n)
-        else:
+        elif drafts == "zero":
             nd = np.zeros(n, dtype=np.int64)
-        nn = rng.integers(1, 4, size=n)
+        else:
+            nd = rng.integers(0, md + 1, size=n)
+        if drafts != "repeat" or prev_nn is None:
+            nn = rng.integers(1, 4, size=n)
+        prev_nd, prev_nn = nd.copy(), nn.copy()
         conf = rng.uniform(0.0, 1.0, size=(n, md + int(rng.integers(0, 2))))
         conf[rng.random(conf.shape) < 0.1] = 1.0
+        nn_in: Any = nn
         if form == "list":
             nd_in: Any = nd.tolist()
             conf_in: Any = conf.tolist()
         elif form == "tensor":
             nd_in, conf_in = torch.from_numpy(nd.copy()), torch.from_numpy(conf.copy())
+        elif form == "numpy32":
+            nd_in, nn_in, conf_in = nd.astype(np.int32), nn.astype(np.int32), conf.astype(np.float32)
+            conf = conf_in.astype(np.float64)
+        elif form == "inplace":
+            nd_buf[:] = nd
+            nn_buf[:] = nn
+            nd_in, nn_in, conf_in = nd_buf, nn_buf, conf
         else:
             nd_in, conf_in = nd, conf
         kwargs: dict[str, Any] = {}
@@ -164,7 +180,7 @@ def _check_steps(p: dict[str, Any]) -> None:
         elif how == "given":
             budget = int(rng.integers(0, int(nd.sum()) + 1))
         want = expected_step(p["req_ids"], rows, nd, nn, p["num_bonus"], p["cost"], conf_arg, budget, kwargs)
-        got = planner.step(nd_in, nn, conf_arg, budget=budget, **kwargs)
+        got = planner.step(nd_in, nn_in, conf_arg, budget=budget, **kwargs)
         assert_same(got, want)
         # The caller owns what it got: writing into it never reaches a later step.
         got.mapping.request[:] = -7
