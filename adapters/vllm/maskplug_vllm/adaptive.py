@@ -305,6 +305,19 @@ class _Controller:
             conf = torch.from_numpy(np.ascontiguousarray(np.asarray(beliefs, dtype=np.float64)[:, :k]))
         return allocate_step(view, conf, budget).numpy().astype(np.int64)
 
+    def forget(self, finished: Any) -> None:
+        """Tell the scheduler about finished requests on a step that runs nothing."""
+        if finished:
+            empty = np.zeros(0, dtype=np.int64)
+            self.scheduler.observe(
+                StepOutcome(
+                    req_ids=np.zeros(0, dtype=str),
+                    verified=empty,
+                    accepted=empty,
+                    finished=np.asarray(list(finished), dtype=str),
+                )
+            )
+
     # Step 4: after sampling.
     def finish(self, plan: _Plan, output: Any) -> None:
         sampled = getattr(output, "sampled_token_ids", None) or []
@@ -317,7 +330,8 @@ class _Controller:
             j = index.get(r)
             if j is not None and j < len(sampled):
                 emitted[i] = len(sampled[j])
-                present[i] = emitted[i] > 0
+                # Only requests that had drafts scheduled say anything about acceptance.
+                present[i] = emitted[i] > 0 and lay.num_drafts[i] > 0
         accepted = np.minimum(np.maximum(emitted - 1, 0), plan.capacity)
         sel = np.flatnonzero(present)
         outcome = StepOutcome(
@@ -430,7 +444,11 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _make_execute_model(orig: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         ctl = _controller
-        if ctl is None or scheduler_output.total_num_scheduled_tokens == 0:
+        if ctl is None:
+            return orig(self, scheduler_output, intermediate_tensors)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # vLLM's last step of a batch may only announce finished requests: pass them on.
+            ctl.forget(scheduler_output.finished_req_ids)
             return orig(self, scheduler_output, intermediate_tensors)
         ctl.pending = None
         run_output, plan = ctl.plan(self, scheduler_output)
