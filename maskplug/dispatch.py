@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ._checks import host_int
 from .errors import BackendUnavailable, LayoutError
 from .kernels.sdk import KernelBackend
 from .layout import RowMapping
@@ -217,10 +218,9 @@ def apply_grammar_bitmask(
             )
         vocab_size = width
     else:
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)):
-            raise LayoutError(f"vocab_size: expected an int, got {vocab_size!r}")
-        if not 0 < vocab_size <= width:
-            raise LayoutError(f"vocab_size: expected 0 < vocab_size <= logits width {width}, got {vocab_size}")
+        vocab_size = host_int(
+            "vocab_size", vocab_size, LayoutError, lo=1, hi=width, expected="0 < vocab_size <= logits width {hi}"
+        )
         if vocab_size > 32 * words:
             raise LayoutError(
                 f"vocab_size: expected <= 32 × bitmask words = {32 * words}, got {vocab_size} "

@@ -134,8 +134,7 @@ class StepView:
         ``confidences`` defaults to the view's; with neither, the expected
         tokens are NaN (unknown) and only the cost is meaningful.
         """
-        if isinstance(budget, bool) or not isinstance(budget, (int, np.integer)) or not 0 <= budget <= self.cap:
-            raise BudgetError(f"budget: expected an int in [0, {self.cap}], got {budget!r}")
+        budget = host_int("budget", budget, BudgetError, hi=self.cap)
         lay = self.layout
         c = self.cost.draft_ms(lay.n) + self.cost.verify_ms(int(lay.num_non_draft.sum()) + int(budget))
         conf = self.confidences if confidences is None else host_confidences(confidences, lay)

@@ -180,6 +180,9 @@ TENSOR_FORMS: list[Case] = [
     ("layout-python-int-past-int64", lambda w: mp.ScheduledLayout([1, 2], [1, 2**70], [1, 1]), mp.LayoutError, "num_drafts"),
     ("layout-bonus-0d-tensor-negative", lambda w: mp.ScheduledLayout([1], [1], [1], num_bonus=torch.tensor(-1)), mp.LayoutError, "num_bonus"),
     ("compact-0d-budget-above-drafts", lambda w: mp.compact(w.layout, torch.tensor(6)), mp.BudgetError, "budget"),
+    ("apply-vocab-size-0d-tensor-above-width", lambda w: w.apply(vocab_size=torch.tensor(101)), mp.LayoutError, "vocab_size"),
+    ("apply-vocab-size-float", lambda w: w.apply(vocab_size=100.0), mp.LayoutError, "vocab_size"),
+    ("score-0d-budget-above-cap", lambda w: w.step().score(torch.tensor(6)), mp.BudgetError, "budget"),  # type: ignore[arg-type]
     ("compact-capacity-tensor-negative", lambda w: mp.compact(w.layout, 1, capacity=torch.tensor([2, 0, -1])), mp.BudgetError, "capacity"),
 ]  # fmt: skip
 
@@ -352,6 +355,13 @@ def test_good_budget_forms_agree() -> None:
     caps = [mp.allocate(w.conf_t.float(), [2, 0, 3], b).tolist() for b in (3, np.int32(3), torch.tensor(3))]
     assert caps[0] == caps[1] == caps[2] and sum(caps[0]) == 3
     assert mp.compact(w.layout, torch.tensor(3)).num_tokens == mp.compact(w.layout, 3).num_tokens
+    assert w.step().score(torch.tensor(3)) == w.step().score(3)  # type: ignore[arg-type]
+    expected = w.logits.clone()
+    w.apply(vocab_size=100)
+    again = make_world()
+    again.apply(vocab_size=torch.tensor(100))
+    assert torch.equal(w.logits.view(torch.int32), again.logits.view(torch.int32))
+    assert not torch.equal(w.logits.view(torch.int32), expected.view(torch.int32))  # the call did mask
 
 
 @pytest.mark.parametrize("bad", [[1, -2], [2**31, 0], [2**62, 2**62]], ids=["negative", "past-int32", "sum-past-int64"])
