@@ -291,7 +291,7 @@ class StepPlanner:
         est[0] = float(ns)
         if k and cap:
             if n < _COLUMNWISE_FROM:
-                surv = np.cumprod(conf[:, :k], axis=1)
+                surv = conf[:, :k].cumprod(axis=1)
                 flat = surv.ravel() if counts.live is None else surv[counts.live]
             else:
                 # Column by column: the same products in the same order as cumprod along rows,
@@ -304,15 +304,16 @@ class StepPlanner:
             # Largest first: sorting the negated survivals keeps them contiguous for the running sum.
             # Negating is exact and rounding is symmetric in sign, so ns - (sum of negated) is
             # bit for bit ns + (sum of the survivals), the core's est.
-            neg = np.sort(np.negative(flat))[:cap]
-            np.cumsum(neg, out=est[1:])
+            neg = np.negative(flat)  # a new array: sorted in place
+            neg.sort()
+            neg[:cap].cumsum(out=est[1:])
             np.subtract(est[0], est[1:], out=est[1:])
         else:
             est[1:] = est[0]  # no survivals: cap is 0
         costs = self._step_costs(counts.base, cap)
         if costs[0] <= 0:  # a plain model's costs never fall: the first is the smallest; the core words the error
             return choose_budget(conf, layout, cost, num_sampling=ns, max_logits=max_logits)
-        b = int(np.argmax(est / costs))
+        b = int((est / costs).argmax())
         return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
 
     def _step_costs(self, base: int, cap: int) -> FloatArray:
