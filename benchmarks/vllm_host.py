@@ -11,7 +11,11 @@ unmodified:
   ``(request, position)`` int32 arrays the kernel reads);
 * **budget + compaction**: ``AdaptiveVerificationManager.get_num_tokens`` and
   ``compact_batch`` against :func:`maskplug.choose_budget` and
-  :func:`maskplug.compact` (same cost tables, same stale confidences).
+  :func:`maskplug.compact` (same cost tables, same stale confidences);
+* **whole step**: both parts together on vLLM's side, against one
+  :meth:`maskplug.steps.StepPlanner.step` (layout, budget, compaction and
+  mapping) on maskplug's. The planner is made once per batch, outside the
+  timing, as vLLM's request states are (its id index lives across steps too).
 
 n grammar requests × 7 drafts, every request under a grammar, the grammar
 order a shuffle of the batch order, string request ids as vLLM holds them.
@@ -38,10 +42,11 @@ from vllm.v1.worker.gpu.spec_decode import adaptive_verification as av
 from vllm.v1.worker.gpu.structured_outputs import _build_grammar_mapping
 
 import maskplug as mp
+from maskplug.steps import StepPlanner
 
 DRAFTS = 7
 NUM_BONUS = 1
-SIZES = (64, 256, 1024)
+SIZES = (8, 64, 256, 1024)
 
 
 def _case(n: int, seed: int) -> dict[str, Any]:
@@ -82,6 +87,7 @@ def _case(n: int, seed: int) -> dict[str, Any]:
         "stale": stale[slots],
         "tokens_per_req": dict(zip(req_ids, (nd + non_draft).tolist(), strict=True)),
         "draft_tokens": {r: [0] * DRAFTS for r in req_ids},
+        "planner": StepPlanner(req_ids, grammar_ids, num_bonus=NUM_BONUS, cost=cost),
     }
 
 
@@ -110,20 +116,36 @@ def maskplug_budget(c: dict[str, Any]) -> int:
     return d.budget
 
 
-def _time(fn: Callable[[dict[str, Any]], Any], c: dict[str, Any], calls: int) -> float:
-    t0 = time.perf_counter_ns()
+def vllm_step(c: dict[str, Any]) -> int:
+    """vLLM's whole per-step host work: the grammar mapping, then budget and compaction."""
+    vllm_mapping(c)
+    return vllm_budget(c)
+
+
+def maskplug_step(c: dict[str, Any]) -> int:
+    """The same step with a planner made once for the batch."""
+    step = c["planner"].step(c["nd"], c["non_draft"], c["stale"], num_sampling=len(c["req_ids"]), max_logits=16384)
+    return step.budget
+
+
+def _time(fn: Callable[[dict[str, Any]], Any], c: dict[str, Any], calls: int) -> tuple[float, float]:
+    """Mean wall-clock and mean CPU time (of this thread) per call, µs."""
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
     for _ in range(calls):
         fn(c)
-    return (time.perf_counter_ns() - t0) / calls / 1e3
+    cpu = time.thread_time_ns() - c0
+    return (time.perf_counter_ns() - t0) / calls / 1e3, cpu / calls / 1e3
 
 
 def measure(
     c: dict[str, Any], a: Callable[..., Any], b: Callable[..., Any], rounds: int, calls: int
-) -> tuple[float, float]:
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Median over rounds of (wall, cpu) per call for ``a`` and for ``b``, rounds alternating which goes first."""
     for _ in range(20):
         a(c)
         b(c)
-    ta, tb = [], []
+    ta: list[tuple[float, float]] = []
+    tb: list[tuple[float, float]] = []
     for r in range(rounds):
         first, second = (a, b) if r % 2 == 0 else (b, a)
         x = _time(first, c, calls)
@@ -134,7 +156,11 @@ def measure(
         else:
             ta.append(y)
             tb.append(x)
-    return statistics.median(ta), statistics.median(tb)
+
+    def med(ts: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+
+    return med(ta), med(tb)
 
 
 def main() -> None:
@@ -146,7 +172,11 @@ def main() -> None:
 
     print(f"vLLM {vllm.__version__} host path per step, {DRAFTS} drafts per request, all under a grammar")
     print(f"median over {args.rounds} rounds of the mean of {args.calls} calls, µs")
-    print(f"{'n':>6} {'part':>20} {'vLLM µs':>10} {'maskplug µs':>12} {'speed-up':>9}")
+    print("wall: wall-clock; cpu: CPU time of this thread (what the work costs when the machine is shared)")
+    print(
+        f"{'n':>6} {'part':>20} {'vLLM wall':>10} {'maskplug wall':>14} {'speed-up':>9}"
+        f" {'vLLM cpu':>9} {'maskplug cpu':>13} {'speed-up':>9}"
+    )
     for n in SIZES:
         c = _case(n, seed=n)
         theirs = vllm_mapping(c).numpy().astype(np.int64)
@@ -155,12 +185,22 @@ def main() -> None:
             raise SystemExit(f"n={n}: mappings differ; nothing timed")
         if vllm_budget(c) != maskplug_budget(c):
             raise SystemExit(f"n={n}: budgets differ ({vllm_budget(c)} vs {maskplug_budget(c)}); nothing timed")
+        step = c["planner"].step(c["nd"], c["non_draft"], c["stale"], num_sampling=n, max_logits=16384)
+        same_rows = np.array_equal(
+            theirs, step.mapping.request.astype(np.int64) * (DRAFTS + NUM_BONUS) + step.mapping.position
+        )
+        if not same_rows or step.budget != vllm_budget(c):
+            raise SystemExit(f"n={n}: the planner's step differs from vLLM's; nothing timed")
         for part, a, b in (
             ("mapping", vllm_mapping, maskplug_mapping),
             ("budget + compaction", vllm_budget, maskplug_budget),
+            ("whole step", vllm_step, maskplug_step),
         ):
-            tv, tm = measure(c, a, b, args.rounds, args.calls)
-            print(f"{n:>6} {part:>20} {tv:>10.1f} {tm:>12.1f} {tv / tm:>8.1f}x")
+            (tv, cv), (tm, cm) = measure(c, a, b, args.rounds, args.calls)
+            print(
+                f"{n:>6} {part:>20} {tv:>10.1f} {tm:>14.1f} {tv / tm:>8.1f}x {cv:>9.1f} {cm:>13.1f} {cv / cm:>8.1f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
