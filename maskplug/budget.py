@@ -435,10 +435,24 @@ def allocate(
     b = _budget_arg(budget, None if nd_host is None else int(nd_host.sum()), dev)
     if nd_host is not None:
         _check_live_values("confidences", confidences, nd_host)
+    return _top_budget(confidences, nd, b, unchecked=dev.type != "cpu")
+
+
+def _top_budget(confidences: torch.Tensor, nd: torch.Tensor, b: int | torch.Tensor, *, unchecked: bool) -> torch.Tensor:
+    """The capacities of :func:`allocate` once its arguments are checked, on the confidences' device.
+
+    ``unchecked``: the values were not read on the host (a device tensor), so
+    they are kept in range here: confidences clamped into ``[0, 1]`` with NaN
+    as 0. Whatever the values, a request never gets more than
+    ``min(num_drafts, max_drafts)`` drafts and a negative budget or count
+    selects nothing.
+    """
+    n, k = confidences.shape
+    dev = confidences.device
     if n == 0 or k == 0:
         return torch.zeros(n, dtype=torch.int32, device=dev)
     c = confidences.to(torch.float64)
-    if dev.type != "cpu":  # values not checked on the host: keep them in range on the device
+    if unchecked:
         c = torch.nan_to_num(c.clamp(0.0, 1.0), nan=0.0)
     s = torch.cumprod(c, dim=1)
     pos = torch.arange(k, device=dev)

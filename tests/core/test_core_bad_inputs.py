@@ -602,3 +602,30 @@ def test_counts_in_range_never_wrap(counts: list[int]) -> None:
     else:
         with pytest.raises(mp.BudgetError, match="capacity: expected offsets that fit in int32"):
             mp.active_cu_logits(cap)
+
+
+@given(
+    st.integers(1, 6),
+    st.integers(1, 5),
+    st.data(),
+)
+def test_device_allocation_keeps_its_invariants_whatever_the_unread_values(n: int, k: int, data: st.DataObject) -> None:
+    """What allocate does with device tensors it cannot read (run here on the CPU with the checks skipped).
+
+    NaN, infinite or negative confidences, counts below 0 or above the columns
+    and budgets outside ``[0, Σ num_drafts]`` never give a request more than
+    ``min(num_drafts, max_drafts)`` drafts, and never a non-prefix.
+    """
+    values = st.one_of(st.floats(0.0, 1.0), BAD_FLOATS)
+    conf = torch.tensor(data.draw(st.lists(st.lists(values, min_size=k, max_size=k), min_size=n, max_size=n)))
+    nd = torch.tensor(data.draw(st.lists(st.integers(-3, k + 3), min_size=n, max_size=n)))
+    budget = data.draw(st.integers(-5, n * k + 5))
+    cap = mp.budget._top_budget(conf, nd, torch.tensor(budget), unchecked=True)
+    room = nd.clamp(0, k)
+    assert cap.dtype == torch.int32 and cap.shape == (n,)
+    assert bool((cap >= 0).all()) and bool((cap <= room).all())
+    assert int(cap.sum()) == min(max(budget, 0), int(room.sum()))
+    # Same as a checked call on the clamped values and counts.
+    clean = torch.nan_to_num(conf.double().clamp(0.0, 1.0), nan=0.0)
+    b = min(max(budget, 0), int(room.sum()))
+    assert torch.equal(cap, mp.allocate(clean, room, b))
