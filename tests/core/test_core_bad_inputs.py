@@ -629,3 +629,22 @@ def test_device_allocation_keeps_its_invariants_whatever_the_unread_values(n: in
     clean = torch.nan_to_num(conf.double().clamp(0.0, 1.0), nan=0.0)
     b = min(max(budget, 0), int(room.sum()))
     assert torch.equal(cap, mp.allocate(clean, room, b))
+
+
+@pytest.mark.gpu
+def test_cuda_history_checks_recorded_values_when_the_host_reads_them() -> None:
+    """record() on CUDA does not read the device; the bad value is refused by the stale() that reads it back."""
+    hist = mp.ConfidenceHistory(2, 2, "cuda")
+    hist.record([0, 1], torch.tensor([[0.5, float("nan")], [0.2, 0.3]], device="cuda"))
+    hist.record([0, 1], torch.full((2, 2), 0.5, device="cuda"))
+    with pytest.raises(mp.BudgetError, match=r"^confidences: expected probabilities in \[0, 1\]"):
+        hist.stale([0, 1])
+
+
+@pytest.mark.gpu
+def test_cuda_allocation_of_unread_values_equals_the_checked_one_on_clamped_values() -> None:
+    conf = torch.tensor([[0.9, float("nan"), 0.5], [-2.0, 0.7, 3.0]], device="cuda")
+    nd = torch.tensor([3, 2], device="cuda")
+    cap = mp.allocate(conf, nd, torch.tensor(3, device="cuda"))
+    clean = torch.nan_to_num(conf.cpu().double().clamp(0.0, 1.0), nan=0.0)
+    assert cap.cpu().tolist() == mp.allocate(clean, [3, 2], 3).tolist()
