@@ -133,10 +133,11 @@ class DraftTree:
         cu_nodes: offsets of each request's nodes in the flat arrays.
         depth: flat depth of every node (1 for the root's children): its
             position offset from the root.
+        up: flat index of every node's parent (``-1``: the root).
         is_chain: per request, whether its nodes form a chain.
     """
 
-    __slots__ = ("cu_nodes", "depth", "is_chain", "layout", "parents")
+    __slots__ = ("cu_nodes", "depth", "is_chain", "layout", "parents", "up")
 
     def __init__(self, layout: ScheduledLayout, parents: Any) -> None:
         if not isinstance(layout, ScheduledLayout):
@@ -153,21 +154,24 @@ class DraftTree:
                 f"parents[{r}][{int(local[i])}]: expected a parent index in [-1, {int(local[i])}) "
                 f"(parents before children), got {int(flat[i])}"
             )
-        depth = np.zeros(flat.shape[0], dtype=np.int64)
-        for r in range(layout.n):
-            a, b = int(cu[r]), int(cu[r + 1])
-            p = flat[a:b]
-            d = depth[a:b]
-            for j in range(b - a):  # parents come first: one pass
-                d[j] = 1 if p[j] < 0 else d[p[j]] + 1
+        # Parents as flat indices (-1: the root); depth by walking every node up at once, one level per pass.
+        up = np.where(flat >= 0, flat + np.repeat(cu[:-1], layout.num_drafts), -1)
+        depth = np.ones(flat.shape[0], dtype=np.int64)
+        anc = up.copy()
+        while True:
+            live = anc >= 0
+            if not live.any():
+                break
+            depth += live
+            anc = np.where(live, up[np.maximum(anc, 0)], -1)
         self.layout = layout
         self.parents: IntArray = _frozen(flat)
         self.cu_nodes: IntArray = _frozen(cu)
         self.depth: IntArray = _frozen(depth)
         chain = flat == local - 1
-        self.is_chain: BoolArray = _frozen(
-            np.array([bool(chain[cu[r] : cu[r + 1]].all()) for r in range(layout.n)], dtype=bool)
-        )
+        reqs = np.repeat(np.arange(layout.n, dtype=np.int64), layout.num_drafts)
+        self.is_chain: BoolArray = _frozen(np.bincount(reqs[~chain], minlength=layout.n) == 0)
+        self.up: IntArray = _frozen(up)
 
     @classmethod
     def chain(cls, layout: ScheduledLayout) -> DraftTree:
@@ -320,19 +324,19 @@ def _tree_conf(confidences: Any, tree: DraftTree, grammar: TreeMasks | None) -> 
 
 
 def _path_products(conf: FloatArray, tree: DraftTree) -> FloatArray:
-    """Products of ``conf`` along each node's path (parents come first: one pass per request)."""
+    """Products of ``conf`` along each node's path, root side first (as ``cumprod`` runs along a chain).
+
+    One vectorised pass per tree level: a node's value is its parent's times its own confidence.
+    """
     out = conf.copy()
-    cu = tree.cu_nodes
-    par = tree.parents
-    for r in range(tree.n):
-        a, b = int(cu[r]), int(cu[r + 1])
-        if tree.is_chain[r]:
-            out[a:b] = np.cumprod(conf[a:b])
-            continue
-        for j in range(b - a):
-            p = int(par[a + j])
-            if p >= 0:
-                out[a + j] *= out[a + p]
+    if not out.size:
+        return out
+    depth = tree.depth
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(2, int(depth.max()) + 2))
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        idx = order[lo:hi]
+        out[idx] = out[tree.up[idx]] * conf[idx]
     return out
 
 
