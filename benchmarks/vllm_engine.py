@@ -28,9 +28,11 @@ before it is timed. The model is a Llama with random weights
 measurably more (``--hidden``/``--layers``); its cost curve is printed with
 the results. The mean step time counts the steps that ran the model.
 
-Two clocks are recorded for every run: wall-clock time, and the engine
-process's CPU time (``time.process_time``; vLLM's CPU engine computes on one
-thread here, so on an idle machine the two agree, while on a machine shared
+Every engine computes on one thread (``OMP_NUM_THREADS=1`` unless set:
+vLLM's CPU worker would otherwise bind one OpenMP thread per core, and skips
+its own reduction to one). Two clocks are recorded for every run: wall-clock
+time, and the engine process's CPU time (``time.process_time``; with one
+compute thread, on an idle machine the two agree, while on a machine shared
 with other work only the wall clock stretches). ``--clock`` picks the one the
 summary compares (default ``cpu``). With
 ``--rounds R`` every engine runs R times, round after round, and each cell
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child)
         return 0
     conc = [int(x) for x in args.concurrency.split(",")]
+    # One compute thread per engine (inherited by the calibration and every engine process): vLLM's
+    # CPU worker otherwise binds one OpenMP thread per core, and on a machine shared with other work
+    # those threads wait on each other at every barrier.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from maskplug_vllm.demo import build_model
 
     with tempfile.TemporaryDirectory(prefix="maskplug-vllm-bench-") as tmp:
