@@ -355,11 +355,14 @@ def node_values(confidences: Any, tree: DraftTree, grammar: TreeMasks | None = N
 
 
 def _order(values: FloatArray, tree: DraftTree) -> IntArray:
-    """Flat node indices best first: value descending, then depth, then request, then node (deterministic)."""
-    lay = tree.layout
-    reqs = np.repeat(np.arange(lay.n, dtype=np.int64), lay.num_drafts)
-    local = np.arange(lay.total_drafts, dtype=np.int64) - np.repeat(tree.cu_nodes[:-1], lay.num_drafts)
-    return np.lexsort((local, reqs, tree.depth, -values)).astype(np.int64)
+    """Flat node indices best first: value descending, then depth, then request, then node (deterministic).
+
+    The flat index already orders by request, then node; a stable sort on the
+    values over the (depth, flat index) order keeps those ties in place.
+    """
+    total = values.shape[0]
+    tie = np.argsort(tree.depth * (total + 1) + np.arange(total, dtype=np.int64))
+    return tie[np.argsort(-values[tie], kind="stable")].astype(np.int64)
 
 
 def choose_tree_budget(
