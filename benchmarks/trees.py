@@ -20,7 +20,12 @@ tree). It then runs both budget choices on a linear cost model
 (:func:`maskplug.choose_budget` and :func:`maskplug.choose_tree_budget`) and
 reports the chosen budget, the expected emitted tokens and tokens per ms.
 
-Run: ``.venv/bin/python benchmarks/trees.py [--requests 16] [--nodes 8] [--branch 3] [--seed 0] [--samples 2000] [--json]``
+``--timing`` adds the host time of the tree budget's parts (building the
+:class:`maskplug.DraftTree`, :func:`maskplug.choose_tree_budget`,
+:func:`maskplug.select_subtree`, :func:`maskplug.compact_tree`) beside
+:func:`maskplug.choose_budget` on the chains, median of ``--repeat`` runs.
+
+Run: ``.venv/bin/python benchmarks/trees.py [--requests 16] [--nodes 8] [--branch 3] [--seed 0] [--samples 2000] [--timing] [--json]``
 """
 
 from __future__ import annotations
@@ -103,6 +108,39 @@ def _sample_tree(
         node, got = nxt, got + 1
 
 
+def _timing(
+    layout: ScheduledLayout,
+    parents: list[list[int]],
+    tconf: np.ndarray,
+    cconf: np.ndarray,
+    cost: CostModel,
+    repeat: int,
+) -> dict[str, float]:
+    """Median host milliseconds of each part of the tree budget and of the chain budget."""
+    import time
+
+    from maskplug import compact_tree
+
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("DraftTree", "choose_tree_budget", "select_subtree", "compact_tree", "choose_budget (chain)")
+    }
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        tree = DraftTree(layout, parents)
+        t1 = time.perf_counter()
+        d = choose_tree_budget(tconf, tree, cost)
+        t2 = time.perf_counter()
+        keep = select_subtree(tconf, tree, d.budget)
+        t3 = time.perf_counter()
+        compact_tree(tree, keep)
+        t4 = time.perf_counter()
+        choose_budget(cconf, layout, cost)
+        t5 = time.perf_counter()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
+            parts[k].append(v * 1e3)
+    return {k: round(float(np.median(v)), 4) for k, v in parts.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -111,6 +149,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=2000, help="Monte-Carlo steps per budget for the tree check")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--timing", action="store_true", help="also time the host side of both budgets")
+    ap.add_argument("--repeat", type=int, default=50)
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     n, k = a.requests, a.nodes
@@ -165,8 +205,12 @@ def main() -> None:
             "tokens_per_ms": round(td.expected_tokens / td.cost_ms, 4),
         },
     }
+    timing = _timing(layout, [p for p, _, _ in reqs], tconf, cconf, cost, a.repeat) if a.timing else None
     if a.json:
-        print(json.dumps({"args": vars(a), "equal_cost": rows, "choose_budget": budgets}, indent=2))
+        out = {"args": vars(a), "equal_cost": rows, "choose_budget": budgets}
+        if timing is not None:
+            out["timing_ms"] = timing
+        print(json.dumps(out, indent=2))
         return
     print(f"{n} requests, {k} drafts each (chain depth {k} / tree of {k} nodes, branch {a.branch}), seed {a.seed}")
     print("expected accepted drafts per step at equal verify budget (drafts verified over the batch):")
@@ -180,6 +224,8 @@ def main() -> None:
     for name in ("chain", "tree"):
         d = budgets[name]
         print(f"  {name:5} b={d['budget']:>4}  expected tokens {d['tokens']:.3f}  tokens/ms {d['tokens_per_ms']:.4f}")
+    if timing is not None:
+        print(f"host time, median of {a.repeat} (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()))
 
 
 if __name__ == "__main__":
