@@ -182,3 +182,28 @@ def test_bad_input_touches_nothing(provider: str) -> None:
         assert [state_of(x, v, [5, 6]) for x in m] == before
     with pytest.raises(LayoutError, match=r"strategy: expected one of"):
         fill_tree_masks(m, [[1, 2], [1, 2, 3]], bm, rows, tree, strategy="fast")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("strategy", ["auto", "native", "walk"])
+def test_terminated_matcher_rows(provider: str, strategy: str) -> None:
+    """A grammar that already ended: the root row allows only the stop tokens and no node is valid."""
+    v = vocab("spm")
+    m = compiled(provider, "spm", GrammarSpec("regex", r"(yes|no|maybe)")).matcher()
+    walk = random_walk(m, v, random.Random(3), 8, stop=True)
+    for t in walk:
+        assert m.accept(t)
+    assert m.is_terminated()
+    eos = v.eos_ids[0]
+    lay = ScheduledLayout(["a"], [4], [1])
+    tree = DraftTree(lay, [[-1, -1, 0, 2]])
+    rows = GrammarRows(["a"])
+    tokens = [[eos, 5, 6, 7]]
+    bm = torch.zeros((5, v.mask_words), dtype=torch.int32)
+    got = fill_tree_masks([m], tokens, bm, rows, tree, strategy=strategy)
+    ref_rows, valid, forced = reference.tree_mask_rows(m, v.mask_words, v.eos_ids, tokens[0], [-1, -1, 0, 2], 1)
+    for i, row in enumerate(ref_rows):
+        np.testing.assert_array_equal(bm[i].numpy(), row)
+    assert got.valid[0].tolist() == valid == [False] * 4
+    assert got.forced[0].tolist() == forced
+    assert m.is_terminated()
