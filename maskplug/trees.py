@@ -477,6 +477,26 @@ class TreeCompaction:
         """Total tokens after trimming."""
         return int(self.num_tokens_per_req.sum())
 
+    def attention_mask(self, r: int) -> npt.NDArray[np.bool_]:
+        """Request ``r``'s tree attention among its live positions: ``(1 + c, 1 + c)`` bool, ``c`` its kept nodes.
+
+        Position 0 is the root, position ``i + 1`` kept node ``i``; a position
+        sees the root, its kept ancestors and itself (the verified prefix
+        before the root is visible to all and not part of this mask).
+        """
+        r = host_int("r", r, LayoutError, hi=self.capacity.shape[0] - 1)
+        a, b = int(self.cu_kept[r]), int(self.cu_kept[r + 1])
+        par = self.kept_parent[a:b]
+        c = b - a
+        out = np.zeros((c + 1, c + 1), dtype=bool)
+        out[:, 0] = True
+        out[np.arange(1, c + 1), np.arange(1, c + 1)] = True
+        # Parents come first among the kept nodes: a node sees what its parent sees.
+        for i in range(c):
+            if par[i] >= 0:
+                out[i + 1] |= out[par[i] + 1]
+        return out
+
     def live_mapping(self, mapping: RowMapping, tree: DraftTree) -> RowMapping:
         """The scheduled ``mapping`` with each row sent to its live position; dropped nodes' rows unused.
 

@@ -175,3 +175,25 @@ def test_compact_tree_errors() -> None:
     other = DraftTree(ScheduledLayout(["a"], [2], [1]), [[-1, 0]])
     with pytest.raises(LayoutError, match=r"tree: expected the tree this compaction was built from"):
         comp.live_mapping(tree.mapping(grammar_rows(random.Random(0), lay, "ragged")), other)
+
+
+@given(tree_cases(grammar=False), st.integers(0, 2**31))
+def test_attention_mask_follows_the_kept_paths(case: TreeCase, seed: int) -> None:
+    lay = case.tree.layout
+    b = random.Random(seed).randint(0, lay.total_drafts)
+    comp = compact_tree(case.tree, select_subtree(case.conf, case.tree, b))
+    for r in range(lay.n):
+        m = comp.attention_mask(r)
+        a, e = int(comp.cu_kept[r]), int(comp.cu_kept[r + 1])
+        par = comp.kept_parent[a:e].tolist()
+        assert m.shape == (e - a + 1, e - a + 1)
+        for i in range(e - a):
+            seen = {0, i + 1}
+            q = par[i]
+            while q >= 0:
+                seen.add(q + 1)
+                q = par[q]
+            assert set(np.flatnonzero(m[i + 1]).tolist()) == seen
+        assert np.flatnonzero(m[0]).tolist() == [0]
+    with pytest.raises(LayoutError, match=r"r: expected"):
+        comp.attention_mask(lay.n)
