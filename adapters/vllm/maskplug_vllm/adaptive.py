@@ -31,6 +31,17 @@ count as rejected drafts there: computed tokens and KV blocks roll back
 through vLLM's ordinary rejection path. The only per-request state is the
 maskplug scheduler's own, which is told about finished requests.
 
+The attributes replaced (besides those of :mod:`maskplug_vllm.patches`):
+
+=====================================================  =================================================
+attribute                                              what it does in addition
+=====================================================  =================================================
+``vllm.v1.core.sched.scheduler.Scheduler.schedule``    produces the step's rows and draft masks at once
+``Scheduler.get_grammar_bitmask``                      hands back those rows
+``GPUModelRunner.execute_model`` (CPU runner's too)    plans and compacts the step before the inputs
+``GPUModelRunner.sample_tokens``                       reports the outcome, counts, fires the hook
+=====================================================  =================================================
+
 The scheduler and the model runner must share a process: vLLM's in-process
 engine core with one worker (``UniProcExecutor``, the CPU build's default),
 with or without ``VLLM_ENABLE_V1_MULTIPROCESSING`` (the counters live in the

@@ -134,6 +134,23 @@ def _instrument() -> dict[str, int]:
     return counts
 
 
+def _tracked(llm: Any, maskplug_vllm: Any) -> int | None:
+    """Requests the scheduler still keeps history for, once the batch's finished ids reached it.
+
+    vLLM tells the model runner which requests finished on the step after; one
+    short request makes that step happen. ``None`` for schedulers without history.
+    """
+    from vllm import SamplingParams
+
+    sched = maskplug_vllm.current_scheduler()
+    sched = getattr(sched, "inner", sched)
+    table = getattr(sched, "_ids", None)
+    if table is None:
+        return None
+    llm.generate(["flush"], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return int(table.keys.size)
+
+
 def main(model_dir: str, out_path: str, argv: list[str]) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -191,6 +208,9 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
 
     import maskplug_vllm
 
+    core = llm.llm_engine.engine_core.engine_core
+    pool = core.scheduler.kv_cache_manager.block_pool
+    free_at_start = pool.get_num_free_blocks()
     runs = []
     for name in schedulers:
         if adaptive:
@@ -220,16 +240,15 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
                 "stats": maskplug_vllm.step_stats() if adaptive else None,
                 "step_end_calls": hooks.get("step_end", 0) - before[0].get("step_end", 0),
                 "producer_draft_rows": producer.get("draft_rows", 0) - before[1].get("draft_rows", 0),
+                "free_blocks": pool.get_num_free_blocks(),
+                "tracked_requests": _tracked(llm, maskplug_vllm) if adaptive else None,
             }
         )
-    core = llm.llm_engine.engine_core.engine_core
-    kv = core.scheduler.kv_cache_manager.block_pool
     info = {
         "enabled": enabled,
         "adaptive": adaptive and maskplug_vllm.adaptive_installed(),
         "spec": spec,
-        "free_blocks": kv.get_num_free_blocks(),
-        "total_blocks": kv.num_gpus_blocks if hasattr(kv, "num_gpus_blocks") else None,
+        "free_blocks_at_start": free_at_start,
     }
     Path(out_path).write_text(json.dumps({"info": info, "requests": reqs, "runs": runs}))
 

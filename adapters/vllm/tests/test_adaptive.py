@@ -243,3 +243,16 @@ def test_counters_and_step_hook(engine: dict[str, Any]) -> None:
         # stop or max_tokens are dropped by vLLM, so the engine emits at least what was returned.
         assert st["tokens_emitted"] >= emitted, label
         assert st["tokens_emitted"] - st["drafts_accepted"] <= st["steps"] * len(run["outputs"]), label
+
+
+def test_nothing_left_behind(engine: dict[str, Any]) -> None:
+    """After each batch: every KV block free again, and no scheduler history about finished requests."""
+    for k in SPECS:
+        info = engine[f"spec{k}"]["info"]
+        for run in engine[f"spec{k}"]["runs"]:
+            label = f"spec{k}/{run['scheduler']}"
+            assert run["free_blocks"] == info["free_blocks_at_start"], label
+            if "goodput" in run["scheduler"]:
+                assert run["tracked_requests"] == 0, label
+            else:
+                assert run["tracked_requests"] is None, label
