@@ -218,6 +218,14 @@ MASK_ENTRIES: dict[str, Callable[[World, Any], Any]] = {
 }
 
 
+class _NanCost(mp.CostModel):
+    """A cost model whose verification cost is unknown (NaN) past four tokens."""
+
+    def verify_ms(self, num_tokens: Any) -> Any:
+        t = np.asarray(num_tokens, dtype=np.float64)
+        return np.where(t > 4, np.nan, 1.0 + t)
+
+
 # ----------------------------------------------------------------- unnamed errors from deep inside
 DEEP: list[Case] = [
     ("mapping-of-a-string", lambda w: mp.GrammarRows(["a"]).mapping("a"), mp.LayoutError, "layout"),  # type: ignore[arg-type]
@@ -233,6 +241,7 @@ DEEP: list[Case] = [
     ("from-curves-max-reqs-float", lambda w: mp.CostModel.from_curves([(1, 1.0)], [(1, 1.0)], 8.0, 8), mp.BudgetError, "max_reqs"),  # type: ignore[arg-type]
     ("linear-string", lambda w: mp.CostModel.linear(draft_base_ms="1"), mp.BudgetError, "draft_base_ms"),  # type: ignore[arg-type]
     ("linear-none", lambda w: mp.CostModel.linear(verify_per_token_ms=None), mp.BudgetError, "verify_per_token_ms"),  # type: ignore[arg-type]
+    ("choose-budget-cost-subclass-nan", lambda w: mp.choose_budget(w.conf_np, w.layout, _NanCost.linear()), mp.BudgetError, "cost"),
     ("allocate-string-budget", lambda w: mp.allocate(w.conf_t.float(), [2, 0, 3], "2"), mp.BudgetError, "budget"),  # type: ignore[arg-type]
     ("allocate-num-drafts-strings", lambda w: mp.allocate(w.conf_t.float(), ["2", "0", "3"], 1), mp.BudgetError, "num_drafts"),
     ("goodput-outcome-1e13", lambda w: GoodputScheduler().observe(mp.StepOutcome(np.array(["a"]), np.array([10**13]), np.array([0]))), mp.BudgetError, "verified"),
