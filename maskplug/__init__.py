@@ -37,7 +37,16 @@ from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
 from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
-from .trees import DraftTree, TreeCompaction, TreeMasks, choose_tree_budget, compact_tree, node_values, select_subtree
+from .trees import (
+    DraftTree,
+    TreeCompaction,
+    TreeMasks,
+    allocate_tree,
+    choose_tree_budget,
+    compact_tree,
+    node_values,
+    select_subtree,
+)
 
 __version__ = "0.1.0"
 
@@ -73,6 +82,7 @@ __all__ = [
     "active_cu_logits",
     "allocate",
     "allocate_step",
+    "allocate_tree",
     "apply_grammar_bitmask",
     "backend_status",
     "choose_budget",

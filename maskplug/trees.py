@@ -60,6 +60,7 @@ __all__ = [
     "DraftTree",
     "TreeCompaction",
     "TreeMasks",
+    "allocate_tree",
     "check_tree_masks",
     "choose_tree_budget",
     "compact_tree",
@@ -439,6 +440,74 @@ def select_subtree(
     keep = np.zeros(total, dtype=bool)
     keep[_order(values, tree)[:b]] = True
     return keep
+
+
+def allocate_tree(
+    confidences: torch.Tensor, tree: DraftTree, budget: int | torch.Tensor, grammar: TreeMasks | None = None
+) -> torch.Tensor:
+    """:func:`select_subtree` on the live confidences, on their device, without a host sync.
+
+    ``confidences`` is a 2-D floating tensor ``(n, >= max num_drafts)`` (a
+    CPU tensor's scheduled values are checked to lie in ``[0, 1]``; on a
+    device NaN counts as 0 and others are clamped); ``budget`` an int in
+    ``[0, Σ num_drafts]`` or a 0-d integer tensor on the same device (its
+    value is not read). Returns the flat keep flags (bool, ``Σ num_drafts``)
+    on the confidences' device: the same nodes :func:`select_subtree` keeps
+    for the same values.
+    """
+    if not isinstance(tree, DraftTree):
+        raise BudgetError(f"tree: expected a DraftTree, got {type(tree).__name__}")
+    lay = tree.layout
+    if not isinstance(confidences, torch.Tensor) or confidences.ndim != 2 or not confidences.is_floating_point():
+        got = f"{type(confidences).__name__} {getattr(confidences, 'dtype', '')} {tuple(getattr(confidences, 'shape', ()))}"
+        raise BudgetError(f"confidences: expected a 2-D floating tensor (n, max_drafts), got {got}")
+    k = int(lay.num_drafts.max()) if lay.n else 0
+    if confidences.shape[0] != lay.n or confidences.shape[1] < k:
+        raise BudgetError(f"confidences: expected shape ({lay.n}, >= {k}), got {tuple(confidences.shape)}")
+    dev = confidences.device
+    total = lay.total_drafts
+    if isinstance(budget, torch.Tensor) and budget.device.type != "cpu":
+        if budget.device != dev or budget.ndim != 0 or budget.is_floating_point() or budget.dtype == torch.bool:
+            raise BudgetError(f"budget: expected a 0-d integer tensor on {dev}, got {budget.dtype} on {budget.device}")
+        b: int | torch.Tensor = budget
+    else:
+        b = host_int("budget", budget, BudgetError, hi=total, expected=f"0 <= budget <= Σ num_drafts = {total}")
+    reqs = np.repeat(np.arange(lay.n, dtype=np.int64), lay.num_drafts)
+    local = np.arange(total, dtype=np.int64) - np.repeat(tree.cu_nodes[:-1], lay.num_drafts)
+    if dev.type == "cpu" and total:
+        host_confidences(confidences.detach().to(torch.float64), lay)  # the value checks
+    override = np.full(total, np.nan, dtype=np.float64)
+    if grammar is not None:
+        gm = check_tree_masks(grammar, tree)
+        for i, r in enumerate(gm.request.tolist()):
+            a, e = int(tree.cu_nodes[r]), int(tree.cu_nodes[r + 1])
+            v, f = gm.valid[i, : e - a], gm.forced[i, : e - a]
+            seg = override[a:e]
+            seg[v & f] = 1.0
+            seg[~v] = 0.0
+    if total == 0:
+        return torch.zeros(0, dtype=torch.bool, device=dev)
+    idx_r = torch.from_numpy(reqs).to(dev)
+    idx_l = torch.from_numpy(local).to(dev)
+    c = confidences.detach()[idx_r, idx_l].to(torch.float64)
+    if dev.type != "cpu":
+        c = torch.nan_to_num(c.clamp(0.0, 1.0), nan=0.0)
+    over = torch.from_numpy(override).to(dev)
+    c = torch.where(torch.isnan(over), c, over)
+    # Products root side first, one level per pass (the host's order: bit-identical values).
+    vals = c.clone()
+    depth = tree.depth
+    order = np.argsort(depth, kind="stable")
+    bounds = np.searchsorted(depth[order], np.arange(2, int(depth.max()) + 2))
+    up = torch.from_numpy(np.array(tree.up)).to(dev)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        idx = torch.from_numpy(order[lo:hi]).to(dev)
+        vals[idx] = vals[up[idx]] * c[idx]
+    tie = torch.from_numpy(np.argsort(depth * (total + 1) + np.arange(total, dtype=np.int64))).to(dev)
+    ranked = tie[torch.sort(vals[tie], descending=True, stable=True).indices]
+    rank = torch.empty_like(ranked)
+    rank[ranked] = torch.arange(total, device=dev)
+    return rank < b
 
 
 @dataclass(frozen=True)

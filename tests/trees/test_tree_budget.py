@@ -196,3 +196,30 @@ def test_budget_errors_name_the_argument() -> None:
         node_values(conf, t, TreeMasks(np.array([3]), np.ones((1, 3), bool), np.zeros((1, 3), bool)))
     with pytest.raises(BudgetError, match=r"grammar: expected TreeMasks"):
         node_values(conf, t, DraftMasks(np.array([0]), np.array([3]), np.zeros((1, 3), bool)))  # type: ignore[arg-type]
+
+
+@given(tree_cases(), st.integers(0, 60), st.sampled_from(["float64", "float32"]), st.booleans())
+def test_allocate_tree_keeps_what_select_subtree_keeps(case: TreeCase, b: int, dtype: str, tensor_budget: bool) -> None:
+    from maskplug.trees import allocate_tree
+
+    b = min(b, case.tree.layout.total_drafts)
+    live = torch.tensor(case.conf, dtype=getattr(torch, dtype))
+    host = live.to(torch.float64).numpy()
+    got = allocate_tree(live, case.tree, torch.tensor(b) if tensor_budget else b, case.grammar)
+    assert got.dtype == torch.bool
+    assert got.tolist() == select_subtree(host, case.tree, b, case.grammar).tolist()
+
+
+def test_allocate_tree_errors() -> None:
+    from maskplug.trees import allocate_tree
+
+    lay = ScheduledLayout(["a"], [3], [1])
+    t = DraftTree(lay, [[-1, -1, 0]])
+    with pytest.raises(BudgetError, match=r"confidences: expected probabilities in \[0, 1\]"):
+        allocate_tree(torch.tensor([[0.5, float("nan"), 0.1]]), t, 1)
+    with pytest.raises(BudgetError, match=r"confidences: expected shape \(1, >= 3\)"):
+        allocate_tree(torch.zeros(1, 2), t, 1)
+    with pytest.raises(BudgetError, match=r"confidences: expected a 2-D floating tensor"):
+        allocate_tree(np.zeros((1, 3)), t, 1)  # type: ignore[arg-type]
+    with pytest.raises(BudgetError, match=r"budget: expected 0 <= budget <= Σ num_drafts = 3, got 4"):
+        allocate_tree(torch.zeros(1, 3), t, 4)
