@@ -27,6 +27,7 @@ with a :class:`maskplug.PluginError` that says so.
 from __future__ import annotations
 
 import os
+import warnings
 
 from . import patches as _patches
 from .adaptive import (
@@ -100,6 +101,13 @@ def register() -> None:
         install()
         if adaptive_requested():
             install_adaptive()
+    elif adaptive_requested():
+        warnings.warn(
+            f"{SCHEDULER_ENV} is set but {ENABLE_ENV} is not; maskplug is off and vLLM verifies its drafts "
+            f"as usual (set {ENABLE_ENV}=1 for maskplug's budgets)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def uninstall() -> None:

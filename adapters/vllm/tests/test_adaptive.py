@@ -122,6 +122,30 @@ def _differences(ref: list[dict[str, Any]], top2: list[dict[str, Any]], other: l
     return differing
 
 
+def test_near_tie_rule() -> None:
+    """The rule the lossless test applies to a difference, on made-up outputs (no engine)."""
+    ref = [{"kind": "json", "name": "x", "token_ids": [5, 6, 7, 8]}]
+    # Per position, the reference's two best (log-probability, token); tokens 7 and 9 tie within 6e-5 nats.
+    top2 = [
+        {
+            "top2": [
+                [[-0.1, 5], [-2.0, 1]],
+                [[-0.1, 6], [-3.0, 2]],
+                [[-0.69314, 7], [-0.69320, 9]],
+                [[-0.1, 8], [-2.0, 0]],
+            ]
+        }
+    ]
+    assert _differences(ref, top2, [{"token_ids": [5, 6, 7, 8]}], "same") == 0
+    assert _differences(ref, top2, [{"token_ids": [5, 6, 9, 4, 4]}], "tie") == 1
+    with pytest.raises(AssertionError, match="no near-tie"):
+        _differences(ref, top2, [{"token_ids": [5, 6, 3]}], "third token")  # not one of the top two
+    with pytest.raises(AssertionError, match="no near-tie"):
+        _differences(ref, top2, [{"token_ids": [5, 2, 7, 8]}], "wide gap")  # position 1: a 2.9-nat gap
+    with pytest.raises(AssertionError, match="no near-tie"):
+        _differences(ref, top2, [{"token_ids": [5, 6]}], "cut short")  # a missing token is no tie
+
+
 def test_plain_engines_agree(engine: dict[str, Any]) -> None:
     """maskplug's structured outputs without speculation equal vLLM's own xgrammar path exactly."""
     plain, vllm = engine["plain"]["runs"][0]["outputs"], engine["vllm"]["runs"][0]["outputs"]

@@ -367,3 +367,13 @@ def test_install_and_switch_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         maskplug_vllm.uninstall()
     assert (Scheduler.schedule, GPUModelRunner.execute_model, GPUModelRunner.sample_tokens) == originals
     assert not maskplug_vllm.adaptive_installed() and maskplug_vllm.step_stats()["scheduler"] is None
+
+
+def test_scheduler_without_the_adapter_warns_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import maskplug_vllm
+
+    monkeypatch.delenv("MASKPLUG_VLLM", raising=False)
+    monkeypatch.setenv("MASKPLUG_VLLM_SCHEDULER", "goodput")
+    with pytest.warns(RuntimeWarning, match="MASKPLUG_VLLM_SCHEDULER is set but MASKPLUG_VLLM is not"):
+        maskplug_vllm.register()
+    assert not maskplug_vllm.installed() and not maskplug_vllm.adaptive_installed()
