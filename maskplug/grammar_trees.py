@@ -33,10 +33,9 @@ from .draftmasks import DraftMasks
 from .errors import GrammarError, LayoutError
 from .grammar import fill_draft_masks
 from .grammar.checks import check_bitmask
-from .grammar.draft import _drafts_matrix
 from .grammar.pools import shared_pool
 from .grammar.protocols import Matcher
-from .layout import GrammarRows
+from .layout import GrammarRows, ScheduledLayout
 from .trees import DraftTree, TreeMasks
 
 __all__ = ["fill_tree_masks", "native_tree_walker"]
@@ -56,6 +55,55 @@ def native_tree_walker(matcher: Any) -> Callable[..., Any] | None:
     raw = getattr(matcher, "raw", None)
     fn = getattr(raw, "traverse_draft_tree", None)
     return fn if callable(fn) else None
+
+
+def _tokens_matrix(tokens: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
+    """Node tokens as a (grammar requests × max nodes) int64 matrix padded with -1, and the node counts.
+
+    ``tokens`` is one sequence per grammar request (rows order) or one flat
+    1-D array of every scheduled node in batch order.
+    """
+    nd = layout.num_drafts[idx]
+    width = int(nd.max()) if nd.size else 0
+    out = np.full((idx.shape[0], width), -1, dtype=np.int64)
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            raise LayoutError(f"tokens: expected host token ids, got a tensor on {tokens.device}")
+        tokens = tokens.detach().numpy()
+    flat = isinstance(tokens, np.ndarray) and tokens.ndim == 1
+    if not flat and isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
+        flat = (len(tokens) > 0 and isinstance(tokens[0], (int, np.integer))) or (
+            len(tokens) == 0 and layout.total_drafts == 0
+        )
+    if flat:
+        arr = np.asarray(tokens)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise LayoutError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
+        if arr.shape[0] != layout.total_drafts:
+            raise LayoutError(
+                f"tokens: a flat array must hold every scheduled node in batch order, expected "
+                f"{layout.total_drafts} (Σ num_drafts), got {arr.shape[0]}"
+            )
+        starts = np.zeros(layout.n + 1, dtype=np.int64)
+        np.cumsum(layout.num_drafts, out=starts[1:])
+        for g, r in enumerate(idx.tolist()):
+            out[g, : nd[g]] = arr[starts[r] : starts[r + 1]]
+        return out, nd
+    if not isinstance(tokens, Sequence) or isinstance(tokens, (str, bytes)):
+        raise LayoutError(f"tokens: expected one token sequence per grammar request, got {type(tokens).__name__}")
+    if len(tokens) != idx.shape[0]:
+        raise LayoutError(f"tokens: expected {idx.shape[0]} sequences (one per grammar request), got {len(tokens)}")
+    for g, t in enumerate(tokens):
+        a = np.asarray(t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t)
+        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+            raise LayoutError(f"tokens[{g}]: expected a 1-D sequence of token ids, got shape {a.shape} {a.dtype}")
+        if a.shape[0] != nd[g]:
+            raise LayoutError(
+                f"tokens[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
+                f"{layout.req_ids[idx[g]]!r}, got {a.shape[0]}"
+            )
+        out[g, : a.shape[0]] = a
+    return out, nd
 
 
 def _links(parents: IntArray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +258,7 @@ def fill_tree_masks(
     if strategy == "auto" and layout.num_bonus >= 1 and bool(tree.is_chain[idx].all()):
         dm = fill_draft_masks(ms, tokens, bitmask, rows, layout, threads=threads)
         return _from_chain(dm, layout.num_drafts[idx])
-    d, nd = _drafts_matrix(tokens, layout, idx)
+    d, nd = _tokens_matrix(tokens, layout, idx)
     total = int(per.sum())
     row0 = np.zeros(g_count, dtype=np.int64)
     if g_count > 1:

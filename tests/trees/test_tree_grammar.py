@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,14 +79,21 @@ def _case(provider: str, rng: random.Random, mode: str, shape: str = "any", bonu
     return v, tree, rows, matchers, tokens
 
 
-def _check(v, tree, rows, matchers, tokens, strategy: str) -> None:  # type: ignore[no-untyped-def]
+def _check(v, tree, rows, matchers, tokens, strategy: str, flat: bool = False) -> None:  # type: ignore[no-untyped-def]
     lay = tree.layout
     probes = [[*t, 0] for t in tokens]
     before = [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)]
     total = rows.num_rows(lay)
     bm = torch.randint(-(2**31), 2**31 - 1, (total + 1, v.mask_words), dtype=torch.int32)
     tail = bm[total:].clone()
-    got = fill_tree_masks(matchers, tokens, bm, rows, tree, strategy=strategy, threads=2)
+    arg: Any = tokens
+    if flat:  # every scheduled node in batch order (requests without a grammar: any ids)
+        arr = np.zeros(lay.total_drafts, dtype=np.int64)
+        for g, rid in enumerate(rows.grammar_req_ids.tolist()):
+            r = lay.index_of(rid)
+            arr[tree.cu_nodes[r] : tree.cu_nodes[r + 1]] = tokens[g]
+        arg = arr
+    got = fill_tree_masks(matchers, arg, bm, rows, tree, strategy=strategy, threads=2)
     assert [state_of(m, v, p) for m, p in zip(matchers, probes, strict=True)] == before
     assert torch.equal(bm[total:], tail)
     m_ = tree.mapping(rows)
@@ -124,7 +132,7 @@ def test_tree_rows_match_the_replay_oracle(provider: str, mode: str, strategy: s
 @given(st.sampled_from(PROVIDERS or ["none"]), st.integers(0, 2**31), st.sampled_from(["ragged", "fixed"]))
 def test_tree_rows_property(provider: str, seed: int, mode: str) -> None:
     rng = random.Random(seed)
-    _check(*_case(provider, rng, mode), rng.choice(["auto", "native", "walk"]))
+    _check(*_case(provider, rng, mode), rng.choice(["auto", "native", "walk"]), flat=rng.random() < 0.5)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -169,7 +177,7 @@ def test_bad_input_touches_nothing(provider: str) -> None:
     keep = bm.clone()
     cases = [
         ((m[:1], [[1, 2], [1, 2, 3]], bm, rows, tree), LayoutError, r"matchers: expected 2"),
-        ((m, [[1, 2], [1, 2]], bm, rows, tree), LayoutError, r"drafts\[1\]: expected num_drafts = 3"),
+        ((m, [[1, 2], [1, 2]], bm, rows, tree), LayoutError, r"tokens\[1\]: expected num_drafts = 3"),
         ((m, [[1, 2], [1, 2, v.vocab_size]], bm, rows, tree), GrammarError, r"tokens\[1\]\[2\]: expected a token id"),
         ((m, [[1, 2], [1, 2, 3]], bm[:2], rows, tree), GrammarError, r"row: expected a row in \[0, 2\), got 6"),
         ((m, [[1, 2], [1, 2, 3]], bm, rows, lay), LayoutError, r"tree: expected a DraftTree"),
