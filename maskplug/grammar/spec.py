@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,10 @@ import torch
 
 from ..errors import GrammarError
 
-__all__ = ["SPEC_KINDS", "GrammarSpec", "Vocab"]
+__all__ = ["SPEC_KINDS", "Encoder", "GrammarSpec", "Vocab"]
+
+#: A tokenizer's encoder: text to model token ids (no special tokens added).
+Encoder = Callable[[str], Sequence[int]]
 
 SPEC_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice")
 
@@ -57,6 +60,16 @@ class Vocab:
         special_ids: token ids that are control tokens (never grammar text).
         vocab_size: the model's padded logits width (``>= len(tokens)``); it
             fixes the mask width ``ceil(vocab_size / 32)``.
+        encoder: the tokenizer's own encoder, text to model ids (no special
+            tokens added), where one exists: the loaders attach tiktoken's,
+            Hugging Face ``tokenizers``' or SentencePiece's. Providers use it
+            to tokenise text a grammar forces the way the model spells it.
+            A bare byte table has none (:attr:`has_encoder` is False and the
+            ``repr`` says so); providers then fall back on their own
+            tokenisation over the bytes.
+        encoder_name: what the encoder is (shown in the ``repr`` and part of
+            the :attr:`fingerprint`); default: the encoder's ``name``
+            attribute or its type name.
     """
 
     def __init__(
@@ -65,7 +78,13 @@ class Vocab:
         eos_ids: Iterable[int],
         special_ids: Iterable[int] = (),
         vocab_size: int | None = None,
+        encoder: Encoder | None = None,
+        encoder_name: str | None = None,
     ) -> None:
+        if encoder is not None and not callable(encoder):
+            raise GrammarError(f"encoder: expected a callable str -> token ids, got {type(encoder).__name__}")
+        if encoder_name is not None and encoder is None:
+            raise GrammarError("encoder_name: expected no name without an encoder, got a name and encoder=None")
         toks = list(tokens)
         for i, t in enumerate(toks):
             if not isinstance(t, (bytes, bytearray)):
@@ -83,7 +102,64 @@ class Vocab:
             bad = [i for i in ids if not 0 <= i < len(self.tokens)]
             if bad:
                 raise GrammarError(f"{name}: expected ids in [0, {len(self.tokens)}), got {bad[:5]}")
+        self._encoder: Encoder | None = encoder
+        self._encoder_name: str | None = None
+        if encoder is not None:
+            self._encoder_name = encoder_name or str(getattr(encoder, "name", None) or type(encoder).__name__)
         self._fingerprint: str | None = None
+
+    @property
+    def has_encoder(self) -> bool:
+        """Whether the tokenizer's own encoder is attached (False for a bare byte table)."""
+        return self._encoder is not None
+
+    @property
+    def encoder(self) -> Encoder | None:
+        """The tokenizer's encoder (text to model ids), or None for a bare byte table."""
+        return self._encoder
+
+    @property
+    def encoder_name(self) -> str | None:
+        """What the encoder is (``"tiktoken:..."``, ``"tokenizers:..."``, ``"sentencepiece:..."``), or None."""
+        return self._encoder_name
+
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the model's token ids, by the tokenizer's own encoder (no special tokens added).
+
+        Raises :class:`GrammarError` when the vocabulary has no encoder, when
+        ``text`` is not a str, or when the encoder answers ids outside the
+        vocabulary.
+        """
+        if not isinstance(text, str):
+            raise GrammarError(f"text: expected a str, got {type(text).__name__}")
+        if self._encoder is None:
+            raise GrammarError(
+                "vocab: this vocabulary is a bare byte table with no encoder; "
+                "load it from its tokenizer files (Vocab.from_tokenizer_json, from_tiktoken, from_sentencepiece) "
+                "or pass encoder=..."
+            )
+        ids = [int(i) for i in self._encoder(text)]
+        n = len(self.tokens)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise GrammarError(f"encoder: expected ids in [0, {n}), got {bad[:5]} for {text[:40]!r}")
+        return ids
+
+    def with_encoder(self, encoder: Encoder | None, encoder_name: str | None = None) -> Vocab:
+        """The same tokens, stop and special ids and size with ``encoder`` attached (None: a bare byte table)."""
+        out = Vocab.__new__(Vocab)
+        out.tokens = self.tokens
+        out.eos_ids = self.eos_ids
+        out.special_ids = self.special_ids
+        out.vocab_size = self.vocab_size
+        if encoder is not None and not callable(encoder):
+            raise GrammarError(f"encoder: expected a callable str -> token ids, got {type(encoder).__name__}")
+        out._encoder = encoder
+        out._encoder_name = None
+        if encoder is not None:
+            out._encoder_name = encoder_name or str(getattr(encoder, "name", None) or type(encoder).__name__)
+        out._fingerprint = None
+        return out
 
     @property
     def mask_words(self) -> int:
@@ -99,6 +175,9 @@ class Vocab:
                 h.update(len(t).to_bytes(4, "little"))
                 h.update(t)
             h.update(repr((self.eos_ids, sorted(self.special_ids), self.vocab_size)).encode())
+            if self._encoder_name is not None:
+                # Providers tokenise forced text with the encoder: it is part of what they compile for.
+                h.update(b"encoder:" + self._encoder_name.encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -147,4 +226,5 @@ class Vocab:
         return len(self.tokens)
 
     def __repr__(self) -> str:
-        return f"Vocab({len(self.tokens)} tokens, eos={list(self.eos_ids)}, vocab_size={self.vocab_size})"
+        enc = f"encoder={self._encoder_name!r}" if self._encoder_name is not None else "no encoder (byte table only)"
+        return f"Vocab({len(self.tokens)} tokens, eos={list(self.eos_ids)}, vocab_size={self.vocab_size}, {enc})"

@@ -16,7 +16,8 @@ import importlib.util
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ from .spec import Vocab
 
 __all__ = [
     "MISTRAL_SPECIAL_TOKENS",
+    "SentencePieceEncoder",
+    "TiktokenEncoder",
+    "TokenizersEncoder",
     "bytes_to_unicode",
     "load_sentencepiece",
     "load_tekken_json",
@@ -108,6 +112,7 @@ def _finish(
     special: set[int],
     eos_ids: Sequence[int],
     vocab_size: int | None,
+    encoder: Callable[[str], Sequence[int]] | None = None,
 ) -> Vocab:
     # Holes in the id space (ids no entry names) become empty control tokens:
     # they can never be produced as text, so no grammar may allow them.
@@ -118,7 +123,140 @@ def _finish(
             full.append(b"")
         else:
             full.append(t)
-    return Vocab(full, eos_ids, special, vocab_size)
+    vocab = Vocab(full, eos_ids, special, vocab_size, encoder=encoder)
+    if isinstance(encoder, _LazyEncoder):
+        encoder.bind(vocab.tokens, vocab.special_ids)
+    return vocab
+
+
+# --------------------------------------------------------------------------
+# Encoders: the tokenizer's own text -> ids, attached to the Vocab
+# --------------------------------------------------------------------------
+
+
+def _have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class _LazyEncoder:
+    """An encoder built on first use (loading a tokenizer costs up to a second), thread-safe.
+
+    SentencePiece and metaspace tokenizers put a space in front of the text
+    they encode (the "dummy prefix") and spell a word's start differently
+    from its middle; text a grammar forces sits in the middle of an output.
+    So when the ids spell ``" " + text``, the text is encoded after a
+    newline instead and the tokens spelling the prefix (``" \n"``) are cut
+    off; when that does not split cleanly, the leading space is taken off
+    the first token (dropped when it is the space alone, else swapped for
+    the token spelling the rest). Ids that still do not spell the text are
+    returned as they are: a provider checks them.
+    """
+
+    name = "encoder"
+
+    def __init__(self) -> None:
+        self._impl: Callable[[str], list[int]] | None = None
+        self._lock = threading.Lock()
+        self._tokens: list[bytes] = []
+        self._by_bytes: dict[bytes, int] | None = None
+        self._special: frozenset[int] = frozenset()
+
+    def bind(self, tokens: list[bytes], special: frozenset[int]) -> None:
+        self._tokens = tokens
+        self._special = special
+
+    def _load(self) -> Callable[[str], list[int]]:
+        raise NotImplementedError
+
+    def __call__(self, text: str) -> list[int]:
+        impl = self._impl
+        if impl is None:
+            with self._lock:
+                if self._impl is None:
+                    self._impl = self._load()
+                impl = self._impl
+        ids = impl(text)
+        return self._strip_prefix_space(impl, text, ids) if self._tokens else ids
+
+    def _spell(self, ids: Sequence[int]) -> bytes | None:
+        toks = self._tokens
+        if not all(0 <= i < len(toks) for i in ids):
+            return None
+        return b"".join(toks[i] for i in ids)
+
+    def _strip_prefix_space(self, impl: Callable[[str], list[int]], text: str, ids: list[int]) -> list[int]:
+        raw = text.encode("utf-8")
+        if not ids or self._spell(ids) != b" " + raw:
+            return ids
+        after = impl("\n" + text)
+        for k in (1, 2):
+            if self._spell(after[:k]) in (b"\n", b" \n") and self._spell(after[k:]) == raw:
+                return after[k:]
+        toks = self._tokens
+        first = toks[ids[0]]
+        if first == b" ":
+            return ids[1:]
+        if self._by_bytes is None:
+            by: dict[bytes, int] = {}
+            for i, t in enumerate(toks):
+                if t and i not in self._special:
+                    by.setdefault(t, i)
+            self._by_bytes = by
+        rest = self._by_bytes.get(first[1:])
+        return ids if rest is None else [rest, *ids[1:]]
+
+
+class TiktokenEncoder(_LazyEncoder):
+    """tiktoken's BPE over ranks (``encode_ordinary``), ids shifted by the control ids in front (tekken)."""
+
+    def __init__(self, ranks: Mapping[bytes, int], pattern: str, offset: int, label: str) -> None:
+        super().__init__()
+        self._ranks = dict(ranks)
+        self._pattern = pattern
+        self.offset = int(offset)
+        self.name = f"tiktoken:{label}"
+
+    def _load(self) -> Callable[[str], list[int]]:
+        import tiktoken
+
+        enc = tiktoken.Encoding(
+            name=f"maskplug-{self.name}", pat_str=self._pattern, mergeable_ranks=self._ranks, special_tokens={}
+        )
+        off = self.offset
+        return lambda text: [t + off for t in enc.encode_ordinary(text)]
+
+    def _strip_prefix_space(self, impl: Callable[[str], list[int]], text: str, ids: list[int]) -> list[int]:
+        return ids  # byte-level BPE adds no prefix
+
+
+class TokenizersEncoder(_LazyEncoder):
+    """Hugging Face ``tokenizers`` loading a ``tokenizer.json`` (``add_special_tokens=False``)."""
+
+    def __init__(self, path: PathLike) -> None:
+        super().__init__()
+        self._path = os.fspath(path)
+        self.name = f"tokenizers:{Path(self._path).name}"
+
+    def _load(self) -> Callable[[str], list[int]]:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(self._path)
+        return lambda text: list(tok.encode(text, add_special_tokens=False).ids)
+
+
+class SentencePieceEncoder(_LazyEncoder):
+    """The ``sentencepiece`` package encoding with a ``.model`` file."""
+
+    def __init__(self, path: PathLike) -> None:
+        super().__init__()
+        self._path = os.fspath(path)
+        self.name = f"sentencepiece:{Path(self._path).name}"
+
+    def _load(self) -> Callable[[str], list[int]]:
+        import sentencepiece
+
+        sp = sentencepiece.SentencePieceProcessor(model_file=self._path)
+        return lambda text: [int(t) for t in sp.encode(text)]
 
 
 # --------------------------------------------------------------------------
@@ -244,7 +382,8 @@ def load_tokenizer_json(
         if missing:
             raise GrammarError(f"eos_tokens: expected added tokens of {os.fspath(path)!r}, got unknown {missing}")
         eos_ids = [by_text[t] for t in eos_tokens]
-    return _finish(tokens, special, eos_ids, vocab_size)
+    encoder = TokenizersEncoder(path) if _have("tokenizers") else None
+    return _finish(tokens, special, eos_ids, vocab_size, encoder)
 
 
 # --------------------------------------------------------------------------
@@ -286,6 +425,8 @@ def load_tiktoken(
     num_special_tokens: int | None = None,
     vocab_size: int | None = None,
     eos_ids: Sequence[int] | None = None,
+    pattern: str | None = None,
+    name: str = "ranks",
 ) -> Vocab:
     """Build a vocabulary from tiktoken-format ranks with the special tokens in front.
 
@@ -304,6 +445,11 @@ def load_tiktoken(
             ranks beyond it are cut (tekken ships more ranks than it uses),
             a larger value pads the logits width.
         eos_ids: the stop tokens (default: the id of ``</s>``).
+        pattern: tiktoken's pre-tokenisation regex (a tekken file's
+            ``config.pattern``); with it, and ``tiktoken`` installed, the
+            vocabulary carries tiktoken's encoder. Without it the result is
+            a bare byte table.
+        name: what the encoder is called (``tiktoken:<name>``).
     """
     names = [str(s["token_str"]) if isinstance(s, Mapping) else str(s) for s in special_tokens]
     nspec = len(names) if num_special_tokens is None else int(num_special_tokens)
@@ -323,7 +469,10 @@ def load_tiktoken(
         eos = [names.index("</s>")]
     else:
         eos = [int(e) for e in eos_ids]
-    return _finish(tokens, set(range(nspec)), eos, vocab_size)
+    encoder = None
+    if pattern is not None and _have("tiktoken"):
+        encoder = TiktokenEncoder({b: r for r, b in enumerate(inner)}, pattern, nspec, name)
+    return _finish(tokens, set(range(nspec)), eos, vocab_size, encoder)
 
 
 def load_tekken_json(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
@@ -344,6 +493,8 @@ def load_tekken_json(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
         specials,
         num_special_tokens=nspec,
         vocab_size=default_size if vocab_size is None else vocab_size,
+        pattern=cfg.get("pattern"),
+        name=Path(path).name,
     )
 
 
@@ -438,7 +589,8 @@ def load_sentencepiece(path: PathLike, *, vocab_size: int | None = None) -> Voca
                 eos.append(i)
     if not eos:
         raise GrammarError(f"path: expected a '</s>' control piece in {os.fspath(path)!r}, got none")
-    return _finish(tokens, special, eos, vocab_size)
+    encoder = SentencePieceEncoder(path) if _have("sentencepiece") else None
+    return _finish(tokens, special, eos, vocab_size, encoder)
 
 
 # --------------------------------------------------------------------------

@@ -2,10 +2,14 @@
 
 llguidance parses with a lexer plus an Earley parser and computes token masks
 over a token trie. The tokenizer is built offline from the
-:class:`~maskplug.grammar.Vocab`'s bytes; its encoder (which llguidance uses to
-tokenise forced text canonically) is llguidance's own greedy longest-match
-tokenisation over the same vocabulary, the only encoder a bare byte table
-determines.
+:class:`~maskplug.grammar.Vocab`'s bytes. Its encoder, which llguidance uses
+for text the grammar forces (property names, constants), is the model's own
+tokenizer when the vocabulary carries one (:attr:`Vocab.has_encoder`:
+tiktoken/tekken, Hugging Face ``tokenizers``, SentencePiece), so forced text is
+held to the spelling the model itself produces. A bare byte table determines
+no encoder; llguidance's greedy longest match over the same bytes stands in,
+and then a model's natural spelling of forced text can be refused. Encoder
+answers that do not spell the text exactly fall back to the greedy match.
 
 What this module normalises, so callers see maskplug's matcher semantics:
 
@@ -65,23 +69,39 @@ __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGu
 
 
 class _Encoder:
-    """The byte table's tokeniser for llguidance: greedy longest match, linked once the tokenizer exists.
+    """The encoder llguidance tokenises forced text with (see the module notes).
 
-    ``TokenizerWrapper`` probes the callable once before the ``LLTokenizer``
-    is built; that probe gets an empty answer.
+    The vocabulary's own encoder where it has one, its answer checked to
+    spell the text; otherwise (or when the check fails) llguidance's greedy
+    longest match, linked once the tokenizer exists. ``TokenizerWrapper``
+    probes the callable once before the ``LLTokenizer`` is built; that probe
+    gets an empty answer.
     """
 
     def __init__(self, vocab: Vocab, tokens: list[bytes], special: list[int]) -> None:
+        self.vocab = vocab
         self.eos_token_id = vocab.eos_ids[0]
         self.bos_token_id = None
         self.tokens = tokens
         self.special_token_ids = special
+        self.special = frozenset(special)
         self.tokenizer: LLTokenizer | None = None
+        self.fallbacks = 0  # encoder answers that did not spell the text
 
     def __call__(self, text: bytes | str) -> list[int]:
         if self.tokenizer is None:
             return []
         s = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        if self.vocab.has_encoder:
+            try:
+                ids: list[int] | None = self.vocab.encode(s)
+            except Exception:  # a tokenizer library's own failure: the greedy match stands in
+                ids = None
+            toks = self.tokens
+            if ids is not None and all(i not in self.special for i in ids):
+                if b"".join(toks[i] for i in ids) == s.encode("utf-8"):
+                    return ids
+            self.fallbacks += 1
         return list(self.tokenizer.greedy_tokenize(s))
 
 

@@ -1,0 +1,141 @@
+"""Real-world JSON schemas (a fixed JSONSchemaBench subset) through maskplug's providers.
+
+Each valid instance is serialised as ``json.dumps(data, ensure_ascii=False)``,
+tokenised by the model's own tokenizer (tekken), fed to a fresh matcher and
+then the stop token. The vocabulary's encoder is what llguidance holds forced
+text to, so the model's natural spelling is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from maskplug.errors import GrammarError
+from maskplug.grammar import GrammarSpec, Vocab, grammar_provider
+from maskplug.grammar.vocabs import (
+    load_tokenizer_json,
+    mistral_sentencepiece,
+    mistral_tekken,
+    mistral_tekken_encoding,
+)
+
+DATA = Path(__file__).parent / "data" / "jsonschemabench-subset.jsonl"
+
+
+def cases() -> list[dict[str, Any]]:
+    return [json.loads(line) for line in DATA.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def instance_text(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False)
+
+
+# --------------------------------------------------------------------------
+# The model's own tokenization
+# --------------------------------------------------------------------------
+
+
+def test_tekken_vocab_carries_tiktoken_encoder() -> None:
+    v = mistral_tekken()
+    assert v.has_encoder and v.encoder_name == "tiktoken:tekken_240911.json"
+    assert "encoder='tiktoken:tekken_240911.json'" in repr(v)
+    enc = mistral_tekken_encoding()
+    for case in cases()[:10]:
+        for t in case["tests"]:
+            text = instance_text(t["data"])
+            ids = v.encode(text)
+            assert ids == [r + enc.maskplug_offset for r in enc.encode(text)]
+            assert b"".join(v.tokens[i] for i in ids) == text.encode("utf-8")
+
+
+def test_bare_byte_table_says_it_has_no_encoder() -> None:
+    bare = Vocab([b"a", b"b", b"</s>"], eos_ids=[2])
+    assert not bare.has_encoder and bare.encoder is None and bare.encoder_name is None
+    assert "no encoder" in repr(bare)
+    with pytest.raises(GrammarError, match=r"vocab: .*no encoder"):
+        bare.encode("ab")
+    stripped = mistral_tekken().with_encoder(None)
+    assert not stripped.has_encoder and stripped.tokens is mistral_tekken().tokens
+    assert stripped.fingerprint != mistral_tekken().fingerprint
+    with pytest.raises(GrammarError, match="encoder"):
+        Vocab([b"a"], eos_ids=[0], encoder="not callable")  # type: ignore[arg-type]
+    with pytest.raises(GrammarError, match="text"):
+        mistral_tekken().encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_encoder_answers_outside_the_vocabulary_are_refused() -> None:
+    v = Vocab([b"a", b"b", b"</s>"], eos_ids=[2], encoder=lambda s: [7], encoder_name="broken")
+    assert repr(v).endswith("encoder='broken')")
+    with pytest.raises(GrammarError, match=r"encoder: expected ids in \[0, 3\)"):
+        v.encode("a")
+
+
+def test_sentencepiece_encoder_spells_text_mid_output() -> None:
+    import sentencepiece
+
+    v = mistral_sentencepiece()
+    assert v.has_encoder and v.encoder_name == "sentencepiece:tokenizer.model.v1"
+    from maskplug.grammar.vocabs import mistral_data_dir
+
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(mistral_data_dir() / "tokenizer.model.v1"))
+    for text in ['{"a": 1}', "ORD-", "paid", " x", "hello world", "naïve café"]:
+        ids = v.encode(text)
+        assert b"".join(v.tokens[i] for i in ids) == text.encode("utf-8"), text
+        # The same pieces SentencePiece gives the text after a newline (mid-output spelling).
+        after = sp.encode("\n" + text)
+        assert after[-len(ids) :] == ids if ids else True
+
+
+def test_tokenizer_json_vocab_carries_tokenizers_encoder(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([f'{{"id": {i}, "name": "item {i}"}}' for i in range(200)], trainer)
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    v = load_tokenizer_json(path)
+    assert v.has_encoder and v.encoder_name == "tokenizers:tok.json"
+    for text in ['{"id": 12, "name": "x"}', "naïve", ""]:
+        assert v.encode(text) == tok.encode(text, add_special_tokens=False).ids
+
+
+def _accepts(grammar: Any, vocab: Vocab, ids: list[int]) -> bool:
+    m = grammar.matcher()
+    return all(m.accept(i) for i in ids) and m.accept(vocab.eos_ids[0])
+
+
+def test_llguidance_accepts_the_models_own_spelling_of_valid_instances() -> None:
+    """With tekken's encoder every valid instance is accepted; the greedy byte table refuses some of them."""
+    v = mistral_tekken()
+    bare = v.with_encoder(None)
+    prov, prov_bare = grammar_provider("llguidance", v), grammar_provider("llguidance", bare)
+    total = accepted = accepted_bare = 0
+    for case in cases():
+        spec = GrammarSpec("json_schema", case["schema"])
+        try:
+            g = prov.compile(spec)
+        except GrammarError:
+            continue
+        g_bare = prov_bare.compile(spec)
+        for t in case["tests"]:
+            if not t["valid"]:
+                continue
+            ids = v.encode(instance_text(t["data"]))
+            total += 1
+            accepted += _accepts(g, v, ids)
+            accepted_bare += _accepts(g_bare, bare, ids)
+    assert total >= 40
+    assert accepted == total
+    assert accepted_bare < total  # the greedy spelling of forced text is not the model's
