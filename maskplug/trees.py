@@ -31,13 +31,15 @@ the sum of its nodes' values; :func:`choose_tree_budget` picks the budget
 ``b`` maximising ``est(b) / cost(b)`` as :func:`~maskplug.choose_budget`
 does for chains, and :func:`select_subtree` keeps the ``b`` best nodes over
 the batch, which always form a subtree (a value never exceeds its parent's,
-and ties go to the shallower node).
+and ties go to the shallower node); :func:`allocate_tree` keeps the same
+nodes from the live confidences on their device, without a host sync.
 
 Compaction. :func:`compact_tree` returns the kept subtree per request with
 what tree attention needs (kept nodes, their parents among the kept nodes,
 their depths) and the active ``cu_logits``; :meth:`TreeCompaction.live_mapping`
 sends each scheduled row to its live position (dropped nodes' rows unused), so
-the mask kernels run unchanged.
+the mask kernels run unchanged; :meth:`TreeCompaction.attention_mask` gives
+each request's tree attention among its live positions.
 """
 
 from __future__ import annotations
