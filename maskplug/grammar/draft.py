@@ -586,7 +586,10 @@ def fill_draft_masks(
 
     Every argument is checked before the first row is written or a matcher
     is touched; a bad one raises a :class:`~maskplug.MaskplugError` naming
-    it and leaves the bitmask and the matchers as they were.
+    it and leaves the bitmask and the matchers as they were. Should a
+    provider fail during the walk, its error propagates with the matchers
+    restored; the rows it had written by then are left as they are
+    (``wait=False`` restores them too, from a copy the job thread takes).
 
     Threading contract: a matcher serves one call at a time. This call (and
     :func:`commit`) holds its matchers while it runs; a matcher that a call
@@ -594,8 +597,10 @@ def fill_draft_masks(
     :class:`~maskplug.MatcherInUse` before anything is written, and one that
     an unfinished ``wait=False`` job holds is waited for (the job was started
     first). Distinct matchers, even of one compiled grammar, may be used from
-    different threads at once. The bitmask is not guarded: calls running at
-    once must be given different rows.
+    different threads at once. The matcher's own methods (``accept``,
+    ``fill``, ``rollback``, ...) are not guarded: do not call them on a
+    matcher while a call or an unfinished job holds it. The bitmask is not
+    guarded either: calls running at once must be given different rows.
 
     Args:
         matchers: one matcher per grammar request, in ``rows`` order (each

@@ -22,6 +22,7 @@ providers' parallel work to the shared grammar pools
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -109,18 +110,22 @@ class DraftMasksJob:
     restored, and ``result()`` raises the error.
     """
 
-    __slots__ = ("_future",)
+    __slots__ = ("_elapsed", "_future")
 
     def __init__(self) -> None:
         self._future: Future[DraftMasks] = Future()
+        self._elapsed: float | None = None
 
     def _start(self, work: Callable[[], DraftMasks]) -> None:
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 value = work()
             except BaseException as exc:  # handed to result()
+                self._elapsed = time.perf_counter() - t0
                 self._future.set_exception(exc)
             else:
+                self._elapsed = time.perf_counter() - t0
                 self._future.set_result(value)
 
         try:
@@ -139,6 +144,10 @@ class DraftMasksJob:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """What production raised, or None; waits like :meth:`result`."""
         return self._future.exception(timeout)
+
+    def elapsed(self) -> float | None:
+        """Seconds the job thread spent producing the rows (None until done): the host cost it took off the caller."""
+        return self._elapsed
 
     def wait(self) -> None:
         """Wait until the job is done, without raising its error."""
