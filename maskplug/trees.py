@@ -411,6 +411,9 @@ def choose_tree_budget(
     costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
         cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
     )
+    if costs.shape != (cap + 1,) or not np.isfinite(costs).all():
+        bad = costs if costs.shape != (cap + 1,) else costs[~np.isfinite(costs)][:3]
+        raise BudgetError(f"cost: expected {cap + 1} finite step costs, got {bad.tolist()}")
     falls = np.flatnonzero(np.diff(costs) < 0)
     if falls.size:
         b = int(falls[0])

@@ -223,3 +223,23 @@ def test_allocate_tree_errors() -> None:
         allocate_tree(np.zeros((1, 3)), t, 1)  # type: ignore[arg-type]
     with pytest.raises(BudgetError, match=r"budget: expected 0 <= budget <= Σ num_drafts = 3, got 4"):
         allocate_tree(torch.zeros(1, 3), t, 4)
+
+
+def test_cost_subclass_with_nan_or_falling_costs_is_refused() -> None:
+    lay = ScheduledLayout(["a"], [3], [1])
+    t = DraftTree(lay, [[-1, -1, 0]])
+    conf = np.full((1, 3), 0.5)
+
+    class NaNCost(CostModel):
+        def verify_ms(self, num_tokens):  # type: ignore[no-untyped-def]
+            return np.full(np.shape(num_tokens), np.nan)
+
+    class Falling(CostModel):
+        def verify_ms(self, num_tokens):  # type: ignore[no-untyped-def]
+            return 10.0 - np.asarray(num_tokens, dtype=np.float64)
+
+    base = CostModel.linear()
+    with pytest.raises(BudgetError, match=r"cost: expected 4 finite step costs"):
+        choose_tree_budget(conf, t, NaNCost(base._draft, base._verify))
+    with pytest.raises(BudgetError, match=r"cost: expected step costs non-decreasing in the budget"):
+        choose_tree_budget(conf, t, Falling(base._draft, base._verify))
