@@ -30,7 +30,12 @@ the results. The mean step time counts the steps that ran the model.
 
 Every engine computes on one thread (``OMP_NUM_THREADS=1`` unless set:
 vLLM's CPU worker would otherwise bind one OpenMP thread per core, and skips
-its own reduction to one). Two clocks are recorded for every run: wall-clock
+its own reduction to one), idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``)
+and the n-gram drafter's numba pool has one thread (``NUMBA_NUM_THREADS=1``;
+vLLM drafts on one anyway). Without the last two, on the 2-core machine here
+shared with other work, threads spinning after the drafter's numba region
+made every operator of a speculative step wait for a time slice (a 48-token
+K=1 generation took 24 s instead of 0.3 s). Two clocks are recorded for every run: wall-clock
 time, and the engine process's CPU time (``time.process_time``; with one
 compute thread, on an idle machine the two agree, while on a machine shared
 with other work only the wall clock stretches). ``--clock`` picks the one the
@@ -262,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     # CPU worker otherwise binds one OpenMP thread per core, and on a machine shared with other work
     # those threads wait on each other at every barrier.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Idle OpenMP threads sleep rather than spin, and the n-gram drafter's numba pool has one thread
+    # (vLLM uses one anyway): spinning pool threads take the engine's core away from it at every step.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     from maskplug_vllm.demo import build_model
 
     with tempfile.TemporaryDirectory(prefix="maskplug-vllm-bench-") as tmp:
