@@ -25,7 +25,15 @@ reports the chosen budget, the expected emitted tokens and tokens per ms.
 :func:`maskplug.select_subtree`, :func:`maskplug.compact_tree`) beside
 :func:`maskplug.choose_budget` on the chains, median of ``--repeat`` runs.
 
-Run: ``.venv/bin/python benchmarks/trees.py [--requests 16] [--nodes 8] [--branch 3] [--seed 0] [--samples 2000] [--timing] [--json]``
+``--grammar`` times :func:`maskplug.fill_tree_masks` on the SentencePiece
+vocabulary (32,000 tokens) for every installed provider: each request a JSON
+regex grammar and a best-first tree of ``--nodes`` nodes whose tokens follow
+the grammar (top-``--branch`` allowed tokens per node), filled natively
+(``strategy="native"``: xgrammar's own tree walk) and depth first
+(``"walk"``), against :func:`maskplug.fill_draft_masks` on chains of the same
+size.
+
+Run: ``.venv/bin/python benchmarks/trees.py [--requests 16] [--nodes 8] [--branch 3] [--seed 0] [--samples 2000] [--timing] [--grammar] [--json]``
 """
 
 from __future__ import annotations
@@ -141,6 +149,76 @@ def _timing(
     return {k: round(float(np.median(v)), 4) for k, v in parts.items()}
 
 
+def _grammar_timing(
+    layout: ScheduledLayout, parents: list[list[int]], repeat: int, seed: int
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds of one batch fill per provider: trees native and depth first, chains of the same size."""
+    import random
+    import time
+    from functools import partial
+
+    import torch
+
+    from maskplug import (
+        GrammarRows,
+        GrammarSpec,
+        fill_draft_masks,
+        fill_tree_masks,
+        grammar_provider,
+        grammar_providers,
+    )
+    from maskplug.grammar.vocabs import mistral_sentencepiece
+
+    v = mistral_sentencepiece()
+    rng = random.Random(seed)
+    regex = r"\{\"id\": [0-9]{1,6}, \"name\": \"[a-z ]{1,24}\", \"tags\": \[(\"[a-z]{1,8}\"(, )?){0,4}\]\}"
+    rows = GrammarRows(layout.req_ids.tolist())
+    tree = DraftTree(layout, parents)
+    chain = DraftTree.chain(layout)
+    out: dict[str, dict[str, float]] = {}
+    bm = torch.zeros((rows.num_rows(layout), v.mask_words), dtype=torch.int32)
+    one = v.new_bitmask(1)
+    for prov in grammar_providers():
+        compiled = grammar_provider(prov, v).compile(GrammarSpec("regex", regex))
+        ms = [compiled.matcher() for _ in range(layout.n)]
+
+        def tokens_for(par: list[int], m) -> list[int]:  # type: ignore[no-untyped-def]
+            # Each node: an allowed token after its path (a random one among the allowed).
+            toks: list[int] = []
+            paths: list[list[int]] = []
+            for p in par:
+                path = [] if p < 0 else [*paths[p], p]
+                for q in path:
+                    m.accept(toks[q])
+                m.fill(one, 0)
+                bits = np.unpackbits(one[0].numpy().view(np.uint8), bitorder="little")[: v.vocab_size]
+                ids = [int(t) for t in np.flatnonzero(bits) if int(t) not in v.eos_ids]
+                toks.append(rng.choice(ids) if ids else 0)
+                if path:
+                    m.rollback(len(path))
+                paths.append(path)
+            return toks
+
+        ttoks = [tokens_for(parents[r], ms[r]) for r in range(layout.n)]
+        ctoks = [tokens_for([j - 1 for j in range(len(parents[r]))], ms[r]) for r in range(layout.n)]
+        runs = {
+            "tree native": partial(fill_tree_masks, ms, ttoks, bm, rows, tree, strategy="native"),
+            "tree walk": partial(fill_tree_masks, ms, ttoks, bm, rows, tree, strategy="walk"),
+            "chain fill_draft_masks": partial(fill_draft_masks, ms, ctoks, bm, rows, layout),
+            "chain as tree": partial(fill_tree_masks, ms, ctoks, bm, rows, chain),
+        }
+        res: dict[str, float] = {}
+        for name, fn in runs.items():
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            res[name] = round(float(np.median(times)), 3)
+        out[prov] = res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -151,6 +229,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--timing", action="store_true", help="also time the host side of both budgets")
     ap.add_argument("--repeat", type=int, default=50)
+    ap.add_argument("--grammar", action="store_true", help="also time fill_tree_masks per provider")
     a = ap.parse_args()
     rng = np.random.default_rng(a.seed)
     n, k = a.requests, a.nodes
@@ -206,10 +285,13 @@ def main() -> None:
         },
     }
     timing = _timing(layout, [p for p, _, _ in reqs], tconf, cconf, cost, a.repeat) if a.timing else None
+    grammar = _grammar_timing(layout, [p for p, _, _ in reqs], a.repeat // 5 or 1, a.seed) if a.grammar else None
     if a.json:
         out = {"args": vars(a), "equal_cost": rows, "choose_budget": budgets}
         if timing is not None:
             out["timing_ms"] = timing
+        if grammar is not None:
+            out["fill_ms"] = grammar
         print(json.dumps(out, indent=2))
         return
     print(f"{n} requests, {k} drafts each (chain depth {k} / tree of {k} nodes, branch {a.branch}), seed {a.seed}")
@@ -224,6 +306,10 @@ def main() -> None:
     for name in ("chain", "tree"):
         d = budgets[name]
         print(f"  {name:5} b={d['budget']:>4}  expected tokens {d['tokens']:.3f}  tokens/ms {d['tokens_per_ms']:.4f}")
+    if grammar is not None:
+        print(f"mask fill for the batch, median of {a.repeat // 5 or 1} (ms):")
+        for prov, d in grammar.items():
+            print(f"  {prov:14} " + ", ".join(f"{k} {v:.3f}" for k, v in d.items()))
     if timing is not None:
         print(f"host time, median of {a.repeat} (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in timing.items()))
 
