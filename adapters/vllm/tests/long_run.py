@@ -75,6 +75,11 @@ def _tracked_ids(scheduler: Any) -> list[str] | None:
 def main(model_dir: str, out_path: str, argv: list[str]) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # One compute thread, idle OpenMP threads asleep, a one-thread numba pool for the n-gram drafter:
+    # on a small machine shared with other work, spinning pool threads stall every speculative step.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     num_requests = int(argv[argv.index("--requests") + 1]) if "--requests" in argv else 300
     seed = int(argv[argv.index("--seed") + 1]) if "--seed" in argv else 0
     main_scheduler = os.environ["MASKPLUG_VLLM_SCHEDULER"]
