@@ -13,7 +13,9 @@ of another one), every engine step runs like this:
    :class:`~maskplug.ScheduledLayout` is built from the scheduled drafts and
    the maskplug scheduler picks the budget from a :class:`~maskplug.StepView`
    (cost model, draft masks; n-gram drafting has no confidence head, so
-   schedulers such as ``goodput`` learn from outcomes). The budget is split
+   schedulers such as ``goodput`` learn from outcomes; no logits-row limit;
+   every scheduled request counts as emitting a token at budget 0, a prefill
+   chunk that does not finish its prompt included). The budget is split
    per request with :func:`maskplug.allocate_step` and the step is compacted:
    the runner gets a copy of the scheduler output that schedules only the
    kept drafts, so input ids, positions, attention and spec-decode metadata
