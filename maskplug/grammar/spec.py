@@ -8,15 +8,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import GrammarError
 
-__all__ = ["SPEC_KINDS", "Encoder", "GrammarSpec", "Vocab"]
+__all__ = [
+    "ANNOTATIONS",
+    "SPEC_KINDS",
+    "UNSUPPORTED",
+    "WHITESPACE",
+    "Encoder",
+    "GrammarSpec",
+    "Vocab",
+    "schema_keywords",
+]
 
 #: A tokenizer's encoder: text to model token ids (no special tokens added).
 Encoder = Callable[[str], Sequence[int]]
@@ -24,29 +34,135 @@ Encoder = Callable[[str], Sequence[int]]
 SPEC_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice")
 
 
+#: ``GrammarSpec.whitespace`` values.
+WHITESPACE = ("flexible", "compact")
+#: ``GrammarSpec.unsupported`` values.
+UNSUPPORTED = ("ignore", "refuse")
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What the output must match.
+    """What the output must match, and how strictly.
 
     ``kind`` is one of :data:`SPEC_KINDS`. ``source`` is the schema (a JSON
     string or a dict) for ``json_schema``, ignored for ``json_object``, the
     pattern for ``regex``, the grammar text for ``ebnf``/``lark``, and a list
     of strings for ``choice``.
+
+    Options (keyword only; the same meaning for every provider, which maps
+    them to its engine or raises :class:`GrammarError` naming the option it
+    cannot honour; see ``docs`` of each provider distribution):
+
+    * ``whitespace``: ``"flexible"`` (default, as the engines default: any
+      JSON whitespace between JSON items) or ``"compact"`` (none: ``,`` and
+      ``:`` with nothing around them). JSON kinds only.
+    * ``strict_keys``: True (default, xgrammar's and vLLM's default) makes an
+      object schema without ``additionalProperties`` allow only its listed
+      keys, as if it said ``"additionalProperties": false``; False keeps the
+      JSON Schema meaning (unlisted keys allowed).
+    * ``unsupported``: what to do with schema keywords the engine does not
+      enforce: ``"ignore"`` (default: compile without them and report each in
+      the compiled grammar's ``warnings``) or ``"refuse"`` (raise
+      :class:`GrammarError` naming them).
+    * ``compile_limit_s``: seconds this compile may take (default: the
+      provider's ``compile_limit_s``; ``math.inf``: no limit). Not part of
+      :meth:`key`.
     """
 
     kind: str
     source: Any = None
+    whitespace: str = field(default="flexible", kw_only=True)
+    strict_keys: bool = field(default=True, kw_only=True)
+    unsupported: str = field(default="ignore", kw_only=True)
+    compile_limit_s: float | None = field(default=None, kw_only=True, compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in SPEC_KINDS:
             raise GrammarError(f"kind: expected one of {SPEC_KINDS}, got {self.kind!r}")
+        if self.whitespace not in WHITESPACE:
+            raise GrammarError(f"whitespace: expected one of {WHITESPACE}, got {self.whitespace!r}")
+        if not isinstance(self.strict_keys, bool):
+            raise GrammarError(f"strict_keys: expected a bool, got {self.strict_keys!r}")
+        if self.unsupported not in UNSUPPORTED:
+            raise GrammarError(f"unsupported: expected one of {UNSUPPORTED}, got {self.unsupported!r}")
+        lim = self.compile_limit_s
+        if lim is not None and (
+            isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0
+        ):
+            raise GrammarError(f"compile_limit_s: expected a number of seconds > 0 or None, got {lim!r}")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options that shape the grammar (``compile_limit_s`` is not one)."""
+        return {"whitespace": self.whitespace, "strict_keys": self.strict_keys, "unsupported": self.unsupported}
 
     def key(self) -> str:
-        """A canonical string for caching (dict schemas are serialised with sorted keys)."""
+        """A canonical string for caching (dict schemas are serialised with sorted keys; options that differ from
+        the defaults are appended)."""
         src = self.source
         if isinstance(src, (dict, list, tuple)):
             src = json.dumps(src, sort_keys=True, separators=(",", ":"))
-        return f"{self.kind}:{src}"
+        extra = [f"{k}={v}" for k, v in self.options.items() if v != _DEFAULTS[k]]
+        return f"{self.kind}:{src}" + ("" if not extra else "\x00" + ",".join(extra))
+
+
+_DEFAULTS: dict[str, Any] = {"whitespace": "flexible", "strict_keys": True, "unsupported": "ignore"}
+
+#: Keywords that only annotate a schema (no constraint to enforce).
+ANNOTATIONS = frozenset(
+    {
+        "$schema",
+        "$id",
+        "id",
+        "$comment",
+        "title",
+        "description",
+        "examples",
+        "example",
+        "default",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "$anchor",
+        "markdownDescription",
+        "x-guidance",
+    }
+)
+# Keywords whose value maps names to subschemas; the names are not keywords.
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# Keywords whose value is data, not a schema.
+_DATA = frozenset({"enum", "const", "default", "examples", "example", "required", "dependentRequired"})
+
+
+def schema_keywords(schema: Any) -> set[str]:
+    """Every constraint keyword used anywhere in a JSON schema (annotations left out).
+
+    Subschemas are found under every keyword except data (``enum``,
+    ``const``, ``required``, ...); the names under ``properties``, ``$defs``
+    and the like are names, not keywords.
+    """
+    found: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+            return
+        if not isinstance(node, dict):
+            return
+        for k, v in node.items():
+            if not k.startswith("x-") and k not in ANNOTATIONS:
+                found.add(k)
+            if k in _DATA or k in ANNOTATIONS:
+                continue
+            if k in _NAMED and isinstance(v, dict):
+                for sub in v.values():
+                    walk(sub)
+            elif isinstance(v, (dict, list)):
+                walk(v)
+
+    walk(schema)
+    return found
 
 
 class Vocab:

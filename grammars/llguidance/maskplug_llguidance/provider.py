@@ -31,6 +31,23 @@ What this module normalises, so callers see maskplug's matcher semantics:
   ``vocab_size`` with every control, empty and padding id marked special, so
   mask rows are exactly ``ceil(vocab_size/32)`` words and never allow them;
   stop ids are allowed exactly when the text is complete.
+* **Options** of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
+  ``whitespace="flexible"`` is llguidance's ``whitespace_flexible`` (its
+  default; vLLM's too); ``"compact"`` turns it off with separators ``,`` and
+  ``:``. ``strict_keys=True`` adds ``"additionalProperties": false`` to every
+  object schema that does not say (what vLLM's
+  ``guidance_disable_additional_properties`` does); False leaves the schema as
+  it is (llguidance follows JSON Schema: unlisted keys allowed).
+  ``unsupported="ignore"`` is llguidance's ``lenient`` (unimplemented keywords
+  are left out; its warnings, e.g. ``Unimplemented keys: ["uniqueItems"]``, go
+  into the compiled grammar's ``warnings``); ``"refuse"`` is llguidance's
+  default (it refuses them).
+* **Compile limits**: with a ``compile_limit_s`` (default
+  :data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`) the grammar is
+  built and checked in a worker process killed at the limit
+  (:class:`maskplug.grammar.limits.CompileWorker`); the checked grammar text
+  comes back and the matcher template is made from it here (the same work the
+  worker just finished within the limit).
 * **Batch fills** run on llguidance's ``LLExecutor`` thread pool without the
   GIL (:class:`LLGuidanceBatchOps`); whole draft chains are walked request by
   request straight on the engines, writing each row in place, on a small
@@ -41,8 +58,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,6 +67,7 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
+from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
 from maskplug.grammar.sdk import (
     ChainOpsBase,
     GrammarError,
@@ -108,11 +126,20 @@ class _Encoder:
 class LLGuidanceGrammar:
     """A grammar compiled by llguidance: its serialized form and a template matcher to copy from."""
 
-    def __init__(self, provider: LLGuidanceProvider, spec: GrammarSpec, grammar: str, template: LLMatcher) -> None:
+    def __init__(
+        self,
+        provider: LLGuidanceProvider,
+        spec: GrammarSpec,
+        grammar: str,
+        template: LLMatcher,
+        warnings: Sequence[str] = (),
+    ) -> None:
         self.provider = provider
         self.spec = spec
         self.grammar = grammar
         self.template = template
+        #: llguidance's warnings for this grammar (with ``unsupported="ignore"``: the keywords it leaves out).
+        self.warnings: list[str] = list(warnings)
 
     def matcher(self) -> LLGuidanceMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -386,8 +413,16 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
     name = "llguidance"
     kinds = frozenset({"json_schema", "json_object", "regex", "ebnf", "lark", "choice"})
 
-    def __init__(self, vocab: Vocab, num_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab: Vocab,
+        num_threads: int | None = None,
+        compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
+    ) -> None:
         super().__init__(vocab)
+        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
+        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
+        self.worker = CompileWorker("llguidance", worker_compiler, (vocab.with_encoder(None),))
         words = vocab.mask_words
         self._text_row = bits_row(text_ids(vocab), words)
         self._stop_row = bits_row(vocab.eos_ids, words)
@@ -414,37 +449,102 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
 
     def grammar_for(self, spec: GrammarSpec) -> str:
         """llguidance's serialized grammar for ``spec`` (not yet checked)."""
-        kind, src = spec.kind, spec.source
-        try:
-            if kind == "json_schema":
-                return str(LLMatcher.grammar_from_json_schema(schema_dict(src)))
-            if kind == "json_object":
-                return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
-            if kind == "choice":
-                # JSON string literals are Lark string literals for llguidance.
-                choices = check_choice(src)
-                return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
-            if not isinstance(src, str):
-                raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
-            if kind == "regex":
-                return str(LLMatcher.grammar_from_regex(src))
-            if kind == "lark":
-                return str(LLMatcher.grammar_from_lark(src))
-            return str(LLMatcher.grammar_from_lark(any_to_lark(src)))
-        except GrammarError:
-            raise
-        except Exception as exc:  # llguidance's converters raise ValueError and friends
-            raise GrammarError(f"spec.source: llguidance could not read this {kind} spec: {exc}") from exc
+        return grammar_text(spec)
 
-    def _compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
-        grammar = self.grammar_for(spec)
+    def check(self, spec: GrammarSpec) -> tuple[str, list[str]]:
+        """Build and check ``spec``'s grammar; return it with llguidance's warnings, or raise GrammarError."""
+        grammar = grammar_text(spec)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             reason = messages[0].strip().splitlines()[0] if messages else "unknown error"
             raise GrammarError(f"spec.source: llguidance could not compile this {spec.kind} spec: {reason}")
+        return grammar, [m.strip() for m in messages if m.strip()]
+
+    def _template(self, spec: GrammarSpec, grammar: str) -> LLMatcher:
         template = LLMatcher(self.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(
                 f"spec.source: llguidance could not compile this {spec.kind} spec: {template.get_error()}"
             )
-        return LLGuidanceGrammar(self, spec, grammar, template)
+        return template
+
+    def _compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        if limit is None:
+            grammar, warns = self.check(spec)
+        else:
+            grammar, warns = self.worker.run(spec, limit)
+        return LLGuidanceGrammar(self, spec, grammar, self._template(spec, grammar), warns)
+
+
+def strict_keys_schema(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise.
+
+    An object schema is one with ``properties`` or ``"type": "object"``;
+    one with ``additionalProperties``, ``patternProperties`` or
+    ``unevaluatedProperties`` keeps what it says. Nested schemas are walked
+    through every keyword (a copy is returned; ``schema`` is not changed).
+    """
+    if isinstance(schema, list):
+        return [strict_keys_schema(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("enum", "const", "default", "examples"):
+            out[k] = v  # data, not schemas
+        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+            out[k] = {n: strict_keys_schema(s) for n, s in v.items()} if isinstance(v, dict) else v
+        else:
+            out[k] = strict_keys_schema(v)
+    t = schema.get("type")
+    is_object = "properties" in schema or t == "object" or (isinstance(t, list) and "object" in t)
+    says = any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    if is_object and not says and "properties" in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's serialized grammar for ``spec`` with its options mapped (not yet checked)."""
+    kind, src = spec.kind, spec.source
+    options: dict[str, Any] = {"lenient": spec.unsupported == "ignore"}
+    if spec.whitespace == "compact":
+        options.update(whitespace_flexible=False, item_separator=",", key_separator=":")
+    else:
+        options.update(whitespace_flexible=True)
+    try:
+        if kind == "json_schema":
+            schema = schema_dict(src)
+            if spec.strict_keys:
+                schema = strict_keys_schema(schema)
+            return str(LLMatcher.grammar_from_json_schema(schema, overrides=options))  # type: ignore[arg-type]
+        if kind == "json_object":
+            return str(LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options))  # type: ignore[arg-type]
+        if kind == "choice":
+            # JSON string literals are Lark string literals for llguidance.
+            choices = check_choice(src)
+            return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices)))
+        if not isinstance(src, str):
+            raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
+        if kind == "regex":
+            return str(LLMatcher.grammar_from_regex(src))
+        if kind == "lark":
+            return str(LLMatcher.grammar_from_lark(src))
+        return str(LLMatcher.grammar_from_lark(any_to_lark(src)))
+    except GrammarError:
+        raise
+    except Exception as exc:  # llguidance's converters raise ValueError and friends
+        raise GrammarError(f"spec.source: llguidance could not read this {kind} spec: {exc}") from exc
+
+
+def worker_compiler(vocab: Vocab) -> Callable[[GrammarSpec], tuple[str, list[str]]]:
+    """The compile function of a compile worker process: spec -> (checked grammar, warnings)."""
+    provider = LLGuidanceProvider(vocab, compile_limit_s=None)
+
+    def run(spec: GrammarSpec) -> tuple[str, list[str]]:
+        grammar, warns = provider.check(spec)
+        provider._template(spec, grammar)  # the full build, so the limit covers it
+        return grammar, warns
+
+    return run

@@ -29,12 +29,34 @@ time (inside a JSON string, between digits, after a key), so a fill is mostly
 a 16 KiB copy instead of the engine's walk over every allowed token.
 :class:`OutlinesBatchOps` uses the same cache to write many rows with one
 numpy copy.
+
+Options of :class:`~maskplug.grammar.GrammarSpec` (``json_schema``):
+
+* ``whitespace="flexible"`` is outlines-core's own whitespace (its default
+  ``[ ]?``: at most one space between JSON items, which takes
+  ``json.dumps``'s ``", "`` and ``": "``; unbounded whitespace multiplies the
+  automaton's build time); ``"compact"`` is no whitespace at all;
+* ``strict_keys=True`` is what outlines-core always does (only listed keys);
+  ``strict_keys=False`` raises :class:`GrammarError` naming ``strict_keys``
+  for a schema with an object that would allow unlisted keys;
+* ``unsupported``: outlines-core leaves keywords it does not know out without
+  a word; maskplug checks the schema's keywords against those outlines-core's
+  regex builder enforces (:data:`OUTLINES_KEYWORDS`) and reports the others in
+  the grammar's ``warnings`` (``"ignore"``) or raises naming them
+  (``"refuse"``).
+
+Compile limits: with a ``compile_limit_s`` (default
+:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`) the ``Index`` is
+built in a worker process killed at the limit and comes back pickled
+(:class:`maskplug.grammar.limits.CompileWorker`). Building an ``Index`` over a
+131k-token vocabulary often takes longer than the default limit; set
+``compile_limit_s`` higher (or ``None``) where that is acceptable.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +65,7 @@ import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
+from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
 from maskplug.grammar.sdk import (
     ChainOpsBase,
     GrammarError,
@@ -52,10 +75,12 @@ from maskplug.grammar.sdk import (
     ProviderBase,
     Vocab,
     check_choice,
+    schema_dict,
     schema_text,
     stop_row,
     text_ids,
 )
+from maskplug.grammar.spec import schema_keywords
 
 __all__ = [
     "MaskCache",
@@ -171,11 +196,15 @@ class MaskCache:
 class OutlinesGrammar:
     """A grammar compiled by outlines-core: the regex it became, its token ``Index`` and mask cache."""
 
-    def __init__(self, provider: OutlinesProvider, spec: GrammarSpec, regex: str, index: Index) -> None:
+    def __init__(
+        self, provider: OutlinesProvider, spec: GrammarSpec, regex: str, index: Index, warnings: Sequence[str] = ()
+    ) -> None:
         self.provider = provider
         self.spec = spec
         self.regex = regex
         self.index = index
+        #: Schema keywords outlines-core does not enforce (``unsupported="ignore"``).
+        self.warnings: list[str] = list(warnings)
         words = provider.vocab.mask_words
         self.masks = MaskCache(words, provider.mask_cache_bytes // (words * 4))
 
@@ -420,8 +449,16 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
     name = "outlines-core"
     kinds = frozenset({"regex", "json_schema", "choice"})
 
-    def __init__(self, vocab: Vocab, mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES) -> None:
+    def __init__(
+        self,
+        vocab: Vocab,
+        mask_cache_bytes: int = DEFAULT_MASK_CACHE_BYTES,
+        compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
+    ) -> None:
         super().__init__(vocab)
+        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
+        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
+        self.worker = CompileWorker("outlines-core", worker_compiler, (vocab.with_encoder(None), mask_cache_bytes))
         if isinstance(mask_cache_bytes, bool) or not isinstance(mask_cache_bytes, int) or mask_cache_bytes < 0:
             raise GrammarError(f"mask_cache_bytes: expected an int >= 0, got {mask_cache_bytes!r}")
         self.mask_cache_bytes = mask_cache_bytes
@@ -451,15 +488,37 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
             return src
         if spec.kind == "json_schema":
             text = schema_text(src)
+            ws = "" if spec.whitespace == "compact" else None  # None: outlines-core's own ``[ ]?``
             try:
-                return str(build_regex_from_schema(text))
+                return str(build_regex_from_schema(text, whitespace_pattern=ws))
             except (ValueError, TypeError) as exc:
                 raise GrammarError(
                     f"spec.source: outlines-core cannot turn this JSON schema into a regex: {exc}"
                 ) from exc
         return choice_regex(src)
 
-    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
+    def check_options(self, spec: GrammarSpec) -> list[str]:
+        """Refuse options outlines-core cannot honour for ``spec``; return the keywords it leaves unenforced."""
+        if spec.kind != "json_schema":
+            return []
+        schema = schema_dict(spec.source)
+        if not spec.strict_keys and open_objects(schema):
+            raise GrammarError(
+                "strict_keys: outlines-core cannot honour strict_keys=False: it never allows keys an object "
+                "schema does not list, and this schema has objects without 'additionalProperties': false"
+            )
+        missing = sorted(schema_keywords(schema) - OUTLINES_KEYWORDS)
+        warns = [f"outlines-core does not enforce {k!r}" for k in missing]
+        if warns and spec.unsupported == "refuse":
+            raise GrammarError(
+                "unsupported: outlines-core does not enforce the keywords "
+                f"{missing} of this json_schema spec (unsupported='refuse')"
+            )
+        return warns
+
+    def build(self, spec: GrammarSpec) -> tuple[str, Index, list[str]]:
+        """The regex, the token index and the unenforced keywords for ``spec`` (the whole compile)."""
+        warns = self.check_options(spec)
         regex = self.regex_for(spec)
         try:
             index = Index(regex, self.engine_vocabulary())
@@ -467,4 +526,65 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
             raise GrammarError(
                 f"spec.source: outlines-core failed to compile {spec.kind} {regex[:200]!r}: {exc}"
             ) from exc
-        return OutlinesGrammar(self, spec, regex, index)
+        return regex, index, warns
+
+    def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
+        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        if limit is None:
+            regex, index, warns = self.build(spec)
+        else:
+            self.check_options(spec)  # option errors without starting a worker
+            regex, index, warns = self.worker.run(spec, limit)
+        return OutlinesGrammar(self, spec, regex, index, warns)
+
+
+#: JSON Schema keywords outlines-core's regex builder enforces (annotations aside); maskplug reports others.
+OUTLINES_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minItems",
+        "maxItems",
+    }
+)
+
+
+def open_objects(schema: Any) -> bool:
+    """Whether some object schema with ``properties`` in ``schema`` does not say ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return any(open_objects(x) for x in schema)
+    if not isinstance(schema, dict):
+        return False
+    if "properties" in schema and schema.get("additionalProperties", True) is not False:
+        return True
+    for k, v in schema.items():
+        if k in ("enum", "const", "default", "examples", "required"):
+            continue
+        if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+            if any(open_objects(x) for x in v.values()):
+                return True
+        elif isinstance(v, (dict, list)) and open_objects(v):
+            return True
+    return False
+
+
+def worker_compiler(vocab: Vocab, mask_cache_bytes: int) -> Callable[[GrammarSpec], tuple[str, Index, list[str]]]:
+    """The compile function of a compile worker process: spec -> (regex, pickled index, warnings)."""
+    provider = OutlinesProvider(vocab, mask_cache_bytes, compile_limit_s=None)
+    return provider.build

@@ -19,14 +19,42 @@ How xgrammar's behaviour is normalised to maskplug's matcher contract:
 * a request's whole draft chain is filled by one ``traverse_draft_tree`` call
   (accept, fill and roll back in C++, without the GIL), requests spread over
   a small thread pool (:meth:`XGrammarBatchOps.fill_chains`).
+
+Options of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
+
+* ``whitespace="flexible"`` is ``any_whitespace=True`` (xgrammar's and
+  vLLM's default); ``"compact"`` is ``any_whitespace=False`` with separators
+  ``(",", ":")``;
+* ``strict_keys`` is xgrammar's ``strict_mode`` (True is its default and what
+  vLLM passes: no unlisted object keys or array items unless the schema says
+  so);
+* ``unsupported``: xgrammar compiles a schema whose keywords it does not
+  enforce and only warns (``minLength`` next to ``format``, ``multipleOf`` on
+  numbers, ``oneOf`` read as ``anyOf``, ...). Those C++ warnings are captured
+  (the process's stderr is redirected while xgrammar compiles), never reach
+  the console, go to the ``maskplug.xgrammar`` logger at WARNING and into the
+  compiled grammar's ``warnings``; ``"refuse"`` raises :class:`GrammarError`
+  with them instead.
+
+Compile limits: with a ``compile_limit_s`` (the default
+:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`), compiles run in a
+worker process (:class:`maskplug.grammar.limits.CompileWorker`) that is killed
+at the limit; the compiled grammar comes back serialized
+(``CompiledGrammar.serialize_json``). ``compile_limit_s=None`` compiles in the
+calling process with no limit.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
@@ -34,6 +62,7 @@ import numpy.typing as npt
 import torch
 import xgrammar as xgr
 
+from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
 from maskplug.grammar.sdk import (
     SPEC_KINDS,
     ChainOpsBase,
@@ -55,10 +84,116 @@ __all__ = [
     "XGrammarGrammar",
     "XGrammarMatcher",
     "XGrammarProvider",
+    "capture_stderr",
     "choice_ebnf",
 ]
 
 KINDS = frozenset(SPEC_KINDS)
+
+logger = logging.getLogger("maskplug.xgrammar")
+# Nothing on the console unless the application configures logging.
+logger.addHandler(logging.NullHandler())
+logger.propagate = True
+
+_STDERR_LOCK = threading.Lock()
+_WARNING = re.compile(r"^(?:\[[\d:]+\]\s+\S+:\d+:\s*)?Warning:\s*(.*)$")
+
+
+@contextmanager
+def capture_stderr() -> Iterator[list[str]]:
+    """Redirect the process's stderr (file descriptor 2) into a temporary file for the block.
+
+    The list it yields is filled with the captured lines when the block
+    ends. Captures are serialised (descriptor 2 is process-wide).
+    """
+    lines: list[str] = []
+    with _STDERR_LOCK:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                try:
+                    sys.stderr.flush()
+                finally:
+                    os.dup2(saved, 2)
+                    os.close(saved)
+                tmp.seek(0)
+                lines.extend(tmp.read().decode("utf-8", errors="replace").splitlines())
+
+
+def engine_warnings(lines: Sequence[str]) -> list[str]:
+    """xgrammar's warning messages among captured stderr lines (its ``[time] file:line:`` prefix dropped)."""
+    out = []
+    for ln in lines:
+        m = _WARNING.match(ln.strip())
+        if m:
+            out.append(m.group(1).strip())
+    return out
+
+
+def compile_raw(compiler: Any, spec: GrammarSpec) -> tuple[Any, list[str]]:
+    """Compile ``spec`` with xgrammar's ``compiler``; return the compiled grammar and xgrammar's warnings."""
+    compile_fn: Callable[[], Any]
+    kind, src = spec.kind, spec.source
+    compact = spec.whitespace == "compact"
+    ws: dict[str, Any] = {"any_whitespace": not compact}
+    if compact:
+        ws["separators"] = (",", ":")
+    if kind == "json_schema":
+        text = schema_text(src)
+        compile_fn = lambda: compiler.compile_json_schema(text, strict_mode=spec.strict_keys, **ws)  # noqa: E731
+    elif kind == "json_object":
+        if compact:
+            obj = json.dumps({"type": "object"})
+            compile_fn = lambda: compiler.compile_json_schema(obj, strict_mode=False, **ws)  # noqa: E731
+        else:
+            compile_fn = compiler.compile_builtin_json_grammar
+    elif kind == "choice":
+        ebnf = choice_ebnf(src)
+        compile_fn = lambda: compiler.compile_grammar(ebnf)  # noqa: E731
+    else:
+        if not isinstance(src, str):
+            raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
+        methods: dict[str, Callable[[str], Any]] = {
+            "regex": compiler.compile_regex,
+            "ebnf": compiler.compile_grammar,
+            "lark": compiler.compile_lark,
+        }
+        method, rtext = methods[kind], src
+        compile_fn = lambda: method(rtext)  # noqa: E731
+    try:
+        with capture_stderr() as lines:
+            raw = compile_fn()
+    except GrammarError:
+        raise
+    except Exception as exc:  # xgrammar reports every grammar error as RuntimeError/ValueError
+        msgs = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        # Drop xgrammar's "[hh:mm:ss] /path/file.cc:123:" prefix; keep the reason.
+        reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", msgs[-1]) if msgs else type(exc).__name__
+        raise GrammarError(f"spec.source: xgrammar could not compile this {kind} spec: {reason}") from exc
+    return raw, engine_warnings(lines)
+
+
+def _tokenizer_info(vocab: Vocab) -> Any:
+    # Control tokens as empty bytes: the only way xgrammar recognises them in a raw vocabulary.
+    encoded = [b"" if i in vocab.special_ids else t for i, t in enumerate(vocab.tokens)]
+    return xgr.TokenizerInfo(
+        encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids)
+    )
+
+
+def worker_compiler(vocab: Vocab, max_threads: int) -> Callable[[GrammarSpec], tuple[str, list[str]]]:
+    """The compile function of a compile worker process: spec -> (serialized grammar, warnings)."""
+    compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads)
+
+    def run(spec: GrammarSpec) -> tuple[str, list[str]]:
+        raw, warns = compile_raw(compiler, spec)
+        return str(raw.serialize_json()), warns
+
+    return run
 
 
 def choice_ebnf(source: Any) -> str:
@@ -72,10 +207,14 @@ def choice_ebnf(source: Any) -> str:
 class XGrammarGrammar:
     """A grammar compiled by xgrammar for one vocabulary."""
 
-    def __init__(self, provider: XGrammarProvider, spec: GrammarSpec, compiled: Any) -> None:
+    def __init__(
+        self, provider: XGrammarProvider, spec: GrammarSpec, compiled: Any, warnings: Sequence[str] = ()
+    ) -> None:
         self.provider = provider
         self.spec = spec
         self.raw = compiled
+        #: What xgrammar warned while compiling: constraints of the spec it does not enforce.
+        self.warnings: list[str] = list(warnings)
 
     def matcher(self) -> XGrammarMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -259,45 +398,33 @@ class XGrammarProvider(ProviderBase[XGrammarGrammar]):
     name = "xgrammar"
     kinds = KINDS
 
-    def __init__(self, vocab: Vocab, max_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab: Vocab,
+        max_threads: int | None = None,
+        compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
+    ) -> None:
         super().__init__(vocab)
-        # Control tokens as empty bytes: the only way xgrammar recognises them in a raw vocabulary.
-        encoded = [b"" if i in vocab.special_ids else t for i, t in enumerate(vocab.tokens)]
-        self.tokenizer_info = xgr.TokenizerInfo(
-            encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=list(vocab.eos_ids)
-        )
+        self.tokenizer_info = _tokenizer_info(vocab)
         threads = max_threads if max_threads is not None else min(8, os.cpu_count() or 1)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads)
         self.batch_ops = XGrammarBatchOps(vocab, threads)
+        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
+        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
+        self.worker = CompileWorker("xgrammar", worker_compiler, (vocab.with_encoder(None), threads))
 
     def _compile(self, spec: GrammarSpec) -> XGrammarGrammar:
-        compile_fn: Callable[[], Any]
-        kind, src = spec.kind, spec.source
-        if kind == "json_schema":
-            text = schema_text(src)
-            compile_fn = lambda: self.compiler.compile_json_schema(text)  # noqa: E731
-        elif kind == "json_object":
-            compile_fn = self.compiler.compile_builtin_json_grammar
-        elif kind == "choice":
-            ebnf = choice_ebnf(src)
-            compile_fn = lambda: self.compiler.compile_grammar(ebnf)  # noqa: E731
+        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        if limit is None:
+            raw, warns = compile_raw(self.compiler, spec)
         else:
-            if not isinstance(src, str):
-                raise GrammarError(f"spec.source: expected a str for kind {kind!r}, got {type(src).__name__}")
-            methods: dict[str, Callable[[str], Any]] = {
-                "regex": self.compiler.compile_regex,
-                "ebnf": self.compiler.compile_grammar,
-                "lark": self.compiler.compile_lark,
-            }
-            method, text = methods[kind], src
-            compile_fn = lambda: method(text)  # noqa: E731
-        try:
-            raw = compile_fn()
-        except GrammarError:
-            raise
-        except Exception as exc:  # xgrammar reports every grammar error as RuntimeError/ValueError
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            # Drop xgrammar's "[hh:mm:ss] /path/file.cc:123:" prefix; keep the reason.
-            reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", lines[-1]) if lines else type(exc).__name__
-            raise GrammarError(f"spec.source: xgrammar could not compile this {kind} spec: {reason}") from exc
-        return XGrammarGrammar(self, spec, raw)
+            ser, warns = self.worker.run(spec, limit)
+            raw = xgr.CompiledGrammar.deserialize_json(ser, self.tokenizer_info)
+        for w in warns:
+            logger.warning("xgrammar: %s (%s spec)", w, spec.kind)
+        if warns and spec.unsupported == "refuse":
+            raise GrammarError(
+                f"unsupported: xgrammar does not enforce part of this {spec.kind} spec (unsupported='refuse'): "
+                + "; ".join(warns)
+            )
+        return XGrammarGrammar(self, spec, raw, warns)

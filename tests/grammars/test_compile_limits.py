@@ -1,0 +1,153 @@
+"""Compile limits hold: a compile past its limit fails that request on time and leaves nothing running."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import pytest
+from maskplug_llguidance import LLGuidanceProvider
+from maskplug_outlines import OutlinesProvider
+from maskplug_xgrammar import XGrammarProvider
+
+from maskplug.errors import GrammarError
+from maskplug.grammar import GrammarSpec
+from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker
+from maskplug.grammar.vocabs import mistral_sentencepiece
+
+# Building outlines-core's automaton for this schema over a 32k vocabulary takes seconds.
+SLOW = GrammarSpec(
+    "json_schema",
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "tags": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,12}"}, "maxItems": 6},
+            "id": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{6}"},
+            "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+        },
+        "required": ["name", "id"],
+    },
+)
+LIMIT = 0.3
+# Time the caller may take past the limit to kill and reap the worker (a loaded test machine).
+SLACK = 2.0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_default_limit_is_a_few_seconds() -> None:
+    assert 1.0 <= DEFAULT_COMPILE_LIMIT_S <= 10.0
+    for cls in (XGrammarProvider, LLGuidanceProvider, OutlinesProvider):
+        assert cls(mistral_sentencepiece()).compile_limit_s == DEFAULT_COMPILE_LIMIT_S
+
+
+def test_compile_past_its_limit_fails_on_time_and_the_worker_is_killed() -> None:
+    p = OutlinesProvider(mistral_sentencepiece(), compile_limit_s=LIMIT)
+    p.worker.start()  # start-up is not a request's time
+    pid = p.worker.pid
+    assert pid is not None and not _gone(pid)
+    threads = threading.active_count()
+    began = time.monotonic()
+    with pytest.raises(GrammarError, match=r"within its limit of 0.3 s; the compile was stopped"):
+        p.compile(SLOW)
+    took = time.monotonic() - began
+    assert LIMIT <= took < LIMIT + SLACK
+    assert _gone(pid)  # killed and reaped: nothing keeps compiling behind the failed request
+    assert p.worker.pid is None and p.worker.killed == 1
+    assert threading.active_count() == threads  # no thread left behind either
+    assert len(p.cache) == 0  # a failure is never cached
+
+
+def test_per_call_limit_overrides_the_providers() -> None:
+    v = mistral_sentencepiece()
+    p = OutlinesProvider(v, compile_limit_s=None)
+    spec = GrammarSpec(SLOW.kind, SLOW.source, compile_limit_s=LIMIT)
+    began = time.monotonic()
+    with pytest.raises(GrammarError, match=r"limit of 0\.3 s"):
+        p.compile(spec)
+    assert time.monotonic() - began < LIMIT + SLACK + 60  # includes starting the worker
+    # math.inf: no limit for this call (compiled in the calling process, no worker).
+    q = OutlinesProvider(v, compile_limit_s=LIMIT)
+    g = q.compile(GrammarSpec("regex", "[a-c]+x", compile_limit_s=math.inf))
+    assert q.worker.started == 0 and g.regex == "[a-c]+x"
+    # The limit is not part of the spec's identity: the cache serves both.
+    assert q.compile(GrammarSpec("regex", "[a-c]+x")) is g
+
+
+def test_after_a_kill_the_next_compile_gets_a_fresh_worker() -> None:
+    p = XGrammarProvider(mistral_sentencepiece(), compile_limit_s=30.0)
+    spec = GrammarSpec("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    g = p.compile(spec)
+    first = p.worker.pid
+    assert first is not None and p.worker.started == 1
+    p.worker.close()
+    assert _gone(first)
+    g2 = p.compile(GrammarSpec("regex", "[0-9]+"))
+    assert p.worker.started == 2 and p.worker.pid not in (None, first)
+    m = g.matcher()
+    v = mistral_sentencepiece()
+    assert all(m.accept(t) for t in v.encode('{"a": 12}')) and m.accept(v.eos_ids[0])
+    m2 = g2.matcher()
+    assert all(m2.accept(t) for t in v.encode("42"))
+    p.worker.close()
+
+
+@pytest.mark.parametrize("cls", [XGrammarProvider, LLGuidanceProvider, OutlinesProvider])
+def test_engine_reasons_come_back_through_the_worker(cls: type) -> None:
+    """The worker's GrammarError reads exactly as the in-process one, with the engine's exception type as cause."""
+    v = mistral_sentencepiece()
+    p, here = cls(v, compile_limit_s=60.0), cls(v, compile_limit_s=None)
+    for spec in (GrammarSpec("regex", "a(b"), GrammarSpec("json_schema", {"type": "strin"})):
+        with pytest.raises(GrammarError, match=r"spec\.source") as info:
+            p.compile(spec)
+        with pytest.raises(GrammarError) as local:
+            here.compile(spec)
+        assert str(info.value) == str(local.value)
+        assert type(info.value.__cause__) is type(local.value.__cause__)
+    assert len(p.cache) == 0 and p.worker.started == 1
+    p.worker.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "5", True])
+def test_bad_limits_name_the_argument(bad: object) -> None:
+    with pytest.raises(GrammarError, match="compile_limit_s"):
+        GrammarSpec("regex", "a", compile_limit_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(GrammarError, match="compile_limit_s"):
+        XGrammarProvider(mistral_sentencepiece(), compile_limit_s=bad)  # type: ignore[arg-type]
+
+
+def test_waiting_for_the_worker_counts_against_the_limit() -> None:
+    from maskplug_outlines.provider import worker_compiler
+
+    v = mistral_sentencepiece()
+    w = CompileWorker("outlines-core", worker_compiler, (v.with_encoder(None), 0))
+    w.start()
+    results: list[BaseException | None] = []
+
+    def slow() -> None:
+        try:
+            w.run(SLOW, 30.0)
+            results.append(None)
+        except GrammarError as exc:
+            results.append(exc)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    while not w._lock.locked():  # the slow compile holds the worker
+        time.sleep(0.001)
+    began = time.monotonic()
+    with pytest.raises(GrammarError, match=r"other compiles were running|limit of 0\.3 s"):
+        w.run(GrammarSpec("regex", "a+"), LIMIT)
+    assert time.monotonic() - began < LIMIT + SLACK
+    t.join()
+    w.close()
+    assert results and results[0] is None
