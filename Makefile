@@ -1,7 +1,7 @@
 # maskplug — every target sets up what it needs.
 #   make demo   the main job: an end-to-end structured-output serving simulation
 #   make test   the whole test suite (core, plugins, engine adapters)
-#   make lint   ruff + mypy
+#   make lint   ruff + mypy (every distribution and the tests; CI runs it before the tests)
 #   make bench  the benchmarks: maskplug bench, then the full scripts under benchmarks/
 
 PYTHON ?= python3
@@ -45,6 +45,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	cd adapters/vllm && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml maskplug_vllm tests
+	cd adapters/sglang && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml maskplug_sglang tests
 
 bench: $(STAMP)
 	$(VENV)/bin/maskplug bench

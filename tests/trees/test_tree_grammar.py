@@ -59,7 +59,9 @@ def _tree_tokens(m, v, rng: random.Random, parents: list[int]) -> list[int]:  # 
     return toks
 
 
-def _case(provider: str, rng: random.Random, mode: str, shape: str = "any", bonus: tuple[int, ...] = (1, 1, 2, 0)):  # type: ignore[no-untyped-def]
+def _case(
+    provider: str, rng: random.Random, mode: str, shape: str = "any", bonus: tuple[int, ...] = (1, 1, 2, 0)
+) -> tuple[Any, DraftTree, Any, list[Any], list[Any]]:
     v = vocab("spm")
     n = rng.randint(1, 4)
     nb = rng.choice(bonus)
