@@ -457,6 +457,11 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error:
             reason = messages[0].strip().splitlines()[0] if messages else "unknown error"
+            if spec.unsupported == "refuse" and reason.startswith("Unimplemented keys"):
+                raise GrammarError(
+                    f"unsupported: llguidance does not enforce part of this {spec.kind} spec "
+                    f"(unsupported='refuse'): {reason}"
+                )
             raise GrammarError(f"spec.source: llguidance could not compile this {spec.kind} spec: {reason}")
         return grammar, [m.strip() for m in messages if m.strip()]
 

@@ -187,7 +187,7 @@ def _tokenizer_info(vocab: Vocab) -> Any:
 
 def worker_compiler(vocab: Vocab, max_threads: int) -> Callable[[GrammarSpec], tuple[str, list[str]]]:
     """The compile function of a compile worker process: spec -> (serialized grammar, warnings)."""
-    compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads)
+    compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads, cache_enabled=False)
 
     def run(spec: GrammarSpec) -> tuple[str, list[str]]:
         raw, warns = compile_raw(compiler, spec)
@@ -407,7 +407,8 @@ class XGrammarProvider(ProviderBase[XGrammarGrammar]):
         super().__init__(vocab)
         self.tokenizer_info = _tokenizer_info(vocab)
         threads = max_threads if max_threads is not None else min(8, os.cpu_count() or 1)
-        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads)
+        # xgrammar's own cache would answer a repeated compile without its warnings; maskplug caches instead.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
         self.batch_ops = XGrammarBatchOps(vocab, threads)
         #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
         self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
