@@ -176,7 +176,8 @@ def test_copy_is_a_fresh_grammar_like_sglangs(bpe_backends: tuple[Any, Any]) -> 
     assert pair.accept(int(allowed_ids(row, pair.vocab_size)[0]))
     fresh = Pair(pair.theirs.copy(), pair.ours.copy(), pair.vocab_size)
     fresh.masks()
-    assert fresh.ours.num_accepted == 0 and fresh.ours.grammar_stats.is_cache_hit
+    stats = fresh.ours.grammar_stats
+    assert fresh.ours.num_accepted == 0 and stats is not None and stats.is_cache_hit
     # The original is untouched by the copy.
     pair.masks()
 

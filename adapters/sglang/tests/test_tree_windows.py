@@ -83,10 +83,10 @@ def test_tree_windows_match_sglangs_traversal(bpe_backends: tuple[Any, Any], str
     for i in range(batch):
         if ours_l[i] is None:
             continue
-        rows = slice(i * width, (i + 1) * width)
+        span = slice(i * width, (i + 1) * width)
         args = (torch.from_numpy(nt[i]), torch.from_numpy(ns[i]), torch.from_numpy(tk[i]))
-        traverse_tree(*args, ours_l[i], want[rows], vocab_size=size)
-        traverse_tree(*args, theirs_l[i], want_theirs[rows], vocab_size=size)
+        traverse_tree(*args, ours_l[i], want[span], vocab_size=size)
+        traverse_tree(*args, theirs_l[i], want_theirs[span], vocab_size=size)
         one = allocate_mask(size, 1)
         ours_l[i].fill_vocab_mask(one, 0)  # type: ignore[union-attr]
         probes.append((i, one))
