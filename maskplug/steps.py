@@ -23,7 +23,7 @@ costs what one step of the plain functions costs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -112,6 +112,16 @@ class _Counts:
         self.mapping: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
 
 
+def _listed(ids: Any) -> Any:
+    """Ids as given when they can be measured; an iterator read once into a list (anything else left as is)."""
+    if isinstance(ids, (Sequence, np.ndarray)) or hasattr(ids, "__len__"):
+        return ids
+    try:
+        return list(ids)
+    except TypeError:
+        return ids  # not iterable: the core class words the error
+
+
 class StepPlanner:
     """Per-step host work for a batch whose requests stay the same across steps.
 
@@ -127,16 +137,17 @@ class StepPlanner:
         LayoutError: duplicate or unknown ids, a bad ``num_bonus``, ``mode`` or ``stride``.
         BudgetError: ``cost`` is not a :class:`~maskplug.CostModel`.
 
-    Steps whose draft and token counts repeat the previous step's (int64
-    arrays with the same values, the common case between steps) reuse what
-    follows from them; their values are compared, never their identity, so
-    an engine may refill the same buffers in place.
+    Steps whose draft and token counts repeat the previous step's (integer
+    arrays of the same dtype and values, the common case between steps) reuse
+    what follows from them; their values are compared, never their identity,
+    so an engine may refill the same buffers in place. A planner keeps that
+    one step of memory, so it belongs to one thread at a time.
     """
 
     def __init__(
         self,
-        req_ids: Sequence[Any] | npt.NDArray[Any],
-        grammar_req_ids: Sequence[Any] | npt.NDArray[Any] = (),
+        req_ids: Iterable[Any] | npt.NDArray[Any],
+        grammar_req_ids: Iterable[Any] | npt.NDArray[Any] = (),
         *,
         num_bonus: int = 1,
         cost: CostModel | None = None,
@@ -146,10 +157,14 @@ class StepPlanner:
         if cost is not None and not isinstance(cost, CostModel):
             raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
         # The core classes check the ids, num_bonus, mode and stride.
-        n = len(req_ids)
+        ids, grammar_ids = _listed(req_ids), _listed(grammar_req_ids)
+        try:
+            n = len(ids)
+        except TypeError:
+            n = 0  # not a sequence: ScheduledLayout refuses it below
         zeros = np.zeros(n, dtype=np.int64)
-        proto = ScheduledLayout(req_ids, zeros, zeros, num_bonus)
-        self._rows = GrammarRows(grammar_req_ids, mode, stride)
+        proto = ScheduledLayout(ids, zeros, zeros, num_bonus)
+        self._rows = GrammarRows(grammar_ids, mode, stride)
         self._grammar = self._rows.batch_indices(proto)
         self._grammar32 = self._grammar.astype(np.int32)
         self._proto = proto

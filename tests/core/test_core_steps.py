@@ -251,6 +251,19 @@ def test_planner_refuses_what_the_core_classes_refuse() -> None:
     assert _error(lambda: StepPlanner(["a"], num_bonus=-1)) == _error(lambda: mp.ScheduledLayout(["a"], [0], [0], -1))
     kind, msg = _error(lambda: StepPlanner(["a"], cost="fast"))  # type: ignore[arg-type]
     assert kind is mp.BudgetError and msg.startswith("cost:")
+    assert _error(lambda: StepPlanner(5)) == _error(lambda: mp.ScheduledLayout(5, [], []))  # type: ignore[arg-type]
+    zero_d = torch.tensor(3)  # a 0-d tensor is not a sequence of ids
+    assert _error(lambda: StepPlanner(zero_d)) == _error(lambda: mp.ScheduledLayout(zero_d, [], []))  # type: ignore[arg-type]
+
+
+def test_planner_reads_ids_from_an_iterator_once() -> None:
+    ids = ["a", "b", "c"]
+    planner = StepPlanner(iter(ids), iter(["c", "a"]), cost=COST)
+    nd, nn, conf = [1, 2, 0], [1, 1, 1], np.full((3, 2), 0.9)
+    assert_same(
+        planner.step(nd, nn, conf),
+        expected_step(ids, mp.GrammarRows(["c", "a"]), nd, nn, 1, COST, conf, None, {}),
+    )
 
 
 def test_planner_argument_combinations() -> None:
