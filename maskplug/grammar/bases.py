@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..errors import GrammarError
+from ..errors import GrammarError, MaskplugError
 from .checks import check_bitmask, check_chain_args, check_token
 from .protocols import BatchOps, CompiledGrammar, Matcher
 from .rows import stop_row
@@ -227,9 +227,20 @@ class MatcherBase:
         done = self.num_accepted
         if done is not None and k > done:
             raise GrammarError(f"n: expected at most the {done} accepted tokens, got {k}")
+        # Engines that keep no count (xgrammar) find out only when asked to undo
+        # too much; their check comes before any change, so putting the stop
+        # token back leaves the matcher exactly as it was.
+        was_terminated = self._terminated
         k = self._unwind_stop(k)
         if k:
-            self._rollback(k)
+            try:
+                self._rollback(k)
+            except MaskplugError:
+                self._set_terminated(was_terminated)
+                raise
+            except Exception as exc:
+                self._set_terminated(was_terminated)
+                raise GrammarError(f"n: the grammar engine cannot undo {int(n)} tokens ({str(exc).strip()})") from exc
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed set into ``bitmask[row]``; False when it allows every token."""

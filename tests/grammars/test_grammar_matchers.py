@@ -291,3 +291,25 @@ def test_matcher_base_requires_engine_primitives() -> None:
     m = MatcherBase(Vocab([b"a", b"</s>"], [1]))
     with pytest.raises(NotImplementedError):
         m.accept(0)
+
+
+@params
+@pytest.mark.parametrize("extra", [1, 5, 1000])
+def test_rollback_past_the_history_is_refused_and_changes_nothing(provider: str, extra: int) -> None:
+    # Undoing more than was accepted is a GrammarError naming n, on a terminated
+    # matcher too, and leaves the matcher as it was: still terminated, same row,
+    # and a rollback within the history still works afterwards.
+    v = vocab("spm")
+    m = compiled(provider, "spm", GrammarSpec("regex", r"[a-c]{2,4}")).matcher()
+    walk = random_walk(m, v, random.Random(extra), 8, stop=True)
+    for t in walk:
+        assert m.accept(t)
+    assert m.is_terminated()
+    before = _row(m, v).clone()
+    with pytest.raises(GrammarError, match=r"^n: "):
+        m.rollback(len(walk) + extra)
+    assert m.is_terminated()
+    assert torch.equal(_row(m, v), before)
+    m.rollback(len(walk))
+    assert not m.is_terminated()
+    assert all(m.accept(t) for t in walk) and m.is_terminated()
