@@ -1,6 +1,6 @@
 """maskplug: structured outputs and adaptive speculative verification, together.
 
-The public API (see the README and DESIGN): layouts and the row mapping, budget
+The public API (see the README and docs/design.md): layouts and the row mapping, budget
 selection, compaction, the mask dispatch, errors and the plugin registry.
 """
 
@@ -37,6 +37,7 @@ from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
 from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
+from .steps import Step, StepPlanner
 from .trees import (
     DraftTree,
     TreeCompaction,
@@ -73,7 +74,9 @@ __all__ = [
     "RowMapping",
     "ScheduledLayout",
     "Scheduler",
+    "Step",
     "StepOutcome",
+    "StepPlanner",
     "StepView",
     "TreeCompaction",
     "TreeMasks",
