@@ -22,7 +22,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,10 +29,11 @@ import torch
 
 from maskplug import GrammarRows, GrammarSpec, ScheduledLayout, commit, fill_draft_masks, grammar_provider
 from maskplug import grammar_providers as list_providers
+from maskplug.data import schema_dir
 from maskplug.grammar import Matcher, Vocab
 from maskplug.grammar.vocabs import mistral_tekken
 
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+SCHEMAS = schema_dir()  # bundled with maskplug; MASKPLUG_SCHEMAS overrides
 # Unbounded repetitions: xgrammar precomputes masks per grammar state, and
 # counted ones ({2,12}) multiply states it then fills token by token at run time
 # (10 ms per row at this vocabulary size), which would measure that pathology only.

@@ -1,6 +1,6 @@
 """Documents that satisfy the bundled JSON schemas are accepted by every provider, token by token.
 
-For each schema the simulator serves (:func:`maskplug.sim.workload.load_schemas`),
+For each bundled schema (:func:`maskplug.data.load_schemas`),
 documents are drawn with the simulator's own instance sampler
 (:func:`maskplug.sim.workload.sample_instance`, validated here with
 ``jsonschema``), tokenised over the real 32k SentencePiece vocabulary, and fed
@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 import torch
 
+from maskplug.data import load_schemas
 from maskplug.grammar import GrammarSpec, Vocab, grammar_provider, grammar_providers, mistral_sentencepiece
-from maskplug.sim.workload import load_schemas, sample_instance
+from maskplug.sim.workload import sample_instance
 
 SCHEMAS = dict(load_schemas())
 PROVIDERS = ("xgrammar", "outlines-core", "llguidance")

@@ -12,8 +12,8 @@ from grammar_testkit import allowed, small_vocab, tid
 from maskplug_llguidance import LLGuidanceMatcher, LLGuidanceProvider
 
 from maskplug import GrammarError
+from maskplug.data import load_schemas
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers, mistral_sentencepiece
-from maskplug.sim.workload import load_schemas
 
 NAME = "llguidance"
 SCHEMAS = dict(load_schemas())

@@ -30,6 +30,7 @@ import torch
 # transformers probes for torchvision when imported; import it before the stand-in below exists.
 import transformers  # noqa: F401
 
+from maskplug.data import schema_dir
 from maskplug.testing import load_hypothesis_profile
 
 # SGLang's speculative modules reach its multimodal stack (torchvision, whose PyPI wheel does
@@ -88,9 +89,7 @@ if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
 
 load_hypothesis_profile()  # the core suite's profiles: CI runs every property with 1,000 examples
 
-SCHEMA_DIR = Path(__file__).resolve().parents[3] / "shared" / "schemas"
-if not SCHEMA_DIR.is_dir():  # a clone next to a shared/ folder one level up
-    SCHEMA_DIR = Path(__file__).resolve().parents[4] / "shared" / "schemas"
+SCHEMA_DIR = schema_dir()  # the schemas bundled with maskplug (MASKPLUG_SCHEMAS overrides)
 
 BPE_VOCAB_SIZE = 832  # the model's logits width: padded past the tokenizer's ids
 

@@ -9,12 +9,13 @@ takes) is written beside it; vLLM fills the weights itself (``load_format="dummy
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
-# ``MASKPLUG_SCHEMAS`` (as the simulator reads it), else ``../shared/schemas`` beside the repository.
-SCHEMA_DIR = Path(os.environ.get("MASKPLUG_SCHEMAS") or Path(__file__).resolve().parents[4] / "shared" / "schemas")
+from maskplug.data import schema_dir
+
+# The schemas bundled with maskplug (``MASKPLUG_SCHEMAS`` overrides, as everywhere).
+SCHEMA_DIR = schema_dir()
 VOCAB_SIZE = 512
 
 
