@@ -7,11 +7,12 @@ vLLM's CPU engine runs in this process (``LLMEngine.add_request`` / ``step`` /
 ``abort_request``) on the tiny model with dummy weights, n-gram drafting with
 5 tokens. Requests (JSON schema, regex, unconstrained) arrive while others
 are being decoded; some are aborted mid-flight (or before they ever ran),
-some are cut off by a small ``max_tokens``. Every 60 steps the scheduler
-changes, between the one named in ``MASKPLUG_VLLM_SCHEDULER``, ``goodput`` and
-``random-budget`` (registered here through ``maskplug_register_schedulers``:
-budget 0, every draft, or anything between), so trimmed steps of every kind
-occur. Once everything is done, the script records what came out, the KV
+some are cut off by a small ``max_tokens``. Every 25 steps while requests
+arrive the scheduler changes, between the one named in
+``MASKPLUG_VLLM_SCHEDULER``, ``goodput`` and ``random-budget`` (registered
+here through ``maskplug_register_schedulers``: budget 0, every draft, or
+anything between), so trimmed steps of every kind occur; once every request
+is in, a fresh instance of the named scheduler sees the rest to the end. Once everything is done, the script records what came out, the KV
 cache's free blocks before and after, what the engine and maskplug's
 scheduler still hold, and the step counters.
 """
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 NUM_SPEC = 5
+PHASE = 25  # steps per scheduler while requests arrive
 FULL_MAX_TOKENS = {"json": 120, "regex": 48, "free": 32}
 REGEXES = [
     r"[a-z]{3,10}-[0-9]{2,4}",
@@ -139,10 +141,11 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
 
     metas: dict[str, dict[str, Any]] = {}
     in_flight: list[str] = []
-    submitted = steps = 0
+    submitted = steps = engine_steps = 0
     schedulers = [main_scheduler, "goodput", "random-budget"]
     t0 = time.perf_counter()
-    max_in_flight = 0
+    max_in_flight = max_tracked_draining = 0
+    draining = False
 
     def submit(count: int) -> None:
         nonlocal submitted
@@ -155,19 +158,37 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
             in_flight.append(meta["id"])
             submitted += 1
 
+    # Every grammar of the run compiled once first (vLLM caches them): compilation runs beside the
+    # engine, and the traffic below is paced by model steps, not by the clock.
+    warm = [StructuredOutputsParams(json=schema) for _, schema in schemas]
+    warm += [StructuredOutputsParams(regex=r) for r in REGEXES]
+    for i, so in enumerate(warm):
+        engine.add_request(f"warm-{i}", "warm up -> ", SamplingParams(max_tokens=1, structured_outputs=so))
+    while engine.has_unfinished_requests():
+        engine.step()
+
     submit(12)
+    tick = True  # the previous engine step ran the model
     while submitted < num_requests or engine.has_unfinished_requests():
-        if steps % 60 == 0:
-            maskplug_vllm.set_scheduler(schedulers[(steps // 60) % len(schedulers)])
-        # Arrivals while others decode; more when the engine is short of work.
-        submit(int(rng.poisson(1.2 if len(in_flight) >= 8 else 4)))
-        if in_flight and rng.random() < 0.06:
-            victim = in_flight[int(rng.integers(len(in_flight)))]
-            engine.abort_request([victim])
-            in_flight.remove(victim)
-            metas[victim]["aborted"] = steps
-        max_in_flight = max(max_in_flight, len(in_flight))
-        for out in engine.step():
+        if tick:
+            if submitted < num_requests and steps % PHASE == 0:
+                maskplug_vllm.set_scheduler(schedulers[(steps // PHASE) % len(schedulers)])
+            elif submitted >= num_requests and not draining:
+                # Every request is in: the main scheduler (a fresh one) sees the rest through to the end.
+                maskplug_vllm.set_scheduler(main_scheduler)
+                draining = True
+            # Arrivals while others decode; more when the engine is short of work.
+            submit(int(rng.poisson(1.5 if len(in_flight) >= 8 else 4)))
+            if in_flight and rng.random() < 0.06:
+                victim = in_flight[int(rng.integers(len(in_flight)))]
+                engine.abort_request([victim])
+                in_flight.remove(victim)
+                metas[victim]["aborted"] = steps
+            max_in_flight = max(max_in_flight, len(in_flight))
+        outs = engine.step()
+        engine_steps += 1
+        tick = bool(outs)
+        for out in outs:
             if not out.finished:
                 continue
             meta = metas[out.request_id]
@@ -175,7 +196,9 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
             meta.update(text=c.text, finish_reason=c.finish_reason, num_tokens=len(c.token_ids), step=steps)
             if out.request_id in in_flight:
                 in_flight.remove(out.request_id)
-        steps += 1
+        if draining:
+            max_tracked_draining = max(max_tracked_draining, len(_tracked_ids(maskplug_vllm.current_scheduler()) or ()))
+        steps += tick
     elapsed = time.perf_counter() - t0
     tracked_busy = _tracked_ids(maskplug_vllm.current_scheduler())
     # The engine goes idle: its core runs one more (empty) step, as a server's busy loop does, which
@@ -183,6 +206,7 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
     engine.step()
     info = {
         "steps": steps,
+        "engine_steps": engine_steps,
         "seconds": elapsed,
         "max_in_flight": max_in_flight,
         "free_blocks_start": free_at_start,
@@ -192,6 +216,7 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
         "engine_waiting_left": len(core.scheduler.waiting),
         "scheduler": maskplug_vllm.step_stats()["scheduler"],
         "scheduler_tracked_ids_before_idle": tracked_busy,
+        "scheduler_tracked_ids_draining_max": max_tracked_draining,
         "scheduler_tracked_ids": _tracked_ids(maskplug_vllm.current_scheduler()),
         "adaptive": maskplug_vllm.adaptive_installed(),
     }

@@ -2,9 +2,10 @@
 
 300 requests (JSON schema, regex, unconstrained) arrive while others decode;
 some are aborted, some cut off by ``max_tokens``; the scheduler changes every
-60 steps (``grammar-aware:goodput``, ``goodput``, a random-budget scheduler),
-so full, partial and zero-budget steps all occur. About 90 s on two cores, in
-a fresh process.
+25 steps while requests arrive (``grammar-aware:goodput``, ``goodput``, a
+random-budget scheduler), so full, partial and zero-budget steps all occur,
+and a fresh ``grammar-aware:goodput`` sees the last ones through. About 40 s
+on two cores, in a fresh process.
 """
 
 from __future__ import annotations
@@ -96,13 +97,13 @@ def test_every_finished_structured_output_is_valid(run: dict[str, Any]) -> None:
     assert checked["json"] >= 5 and checked["regex"] >= 20, checked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="requests that finish or are aborted in a step that schedules no tokens (the engine draining) "
-    "are never reported to maskplug's scheduler, which keeps their state",
-)
 def test_the_scheduler_keeps_no_state_for_ended_requests(run: dict[str, Any]) -> None:
-    """After the engine went idle, maskplug's scheduler tracks no request (nothing leaks over long runs)."""
+    """After the engine went idle, maskplug's scheduler tracks no request (nothing leaks over long runs).
+
+    The last requests finish or are aborted in a step that schedules no tokens (the engine draining):
+    their ids must reach the scheduler all the same."""
     info = run["info"]
-    assert info["scheduler_tracked_ids"] is not None  # goodput keeps per-request state: the check means something
+    assert info["scheduler"] == "grammar-aware:goodput"
+    # goodput keeps per-request state, and held some while the last requests ran: the check means something.
+    assert info["scheduler_tracked_ids"] is not None and info["scheduler_tracked_ids_draining_max"] > 0
     assert info["scheduler_tracked_ids"] == []
