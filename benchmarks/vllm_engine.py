@@ -21,7 +21,7 @@ tokens per second and the mean engine-step time at each concurrency, for:
 Every engine compiles the workload's grammars once before anything is
 timed. Concurrency ``c`` is a closed loop: ``c`` requests in flight, the next one
 added as soon as one finishes, ``requests-per-slot × c`` requests in all
-(at least 4). Every engine runs in its own process (vLLM loads its plugins
+(at least ``--min-requests``). Every engine runs in its own process (vLLM loads its plugins
 once per process) and warms up at each concurrency with short requests
 before it is timed. The model is a Llama with random weights
 (``load_format="dummy"``) sized so that verifying more tokens costs
@@ -171,7 +171,7 @@ def child(spec_json: str) -> None:
 
             maskplug_vllm.set_scheduler(name)
         for c in cfg["concurrency"]:
-            n = max(4, cfg["requests_per_slot"] * c)
+            n = max(cfg["min_requests"], cfg["requests_per_slot"] * c)
             # Warm-up at this batch size (shapes, grammar caches), not timed.
             _closed_loop(engine, _structured_workload(c, seed=1000 + c), c, 6, f"warm-{name}-{c}")
             if name is not None:
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--requests-per-slot", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=16, help="requests per run at least (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2, help="run every engine this many times; keep each cell's best")
     p.add_argument("--hidden", type=int, default=512)
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "concurrency": conc,
             "requests_per_slot": args.requests_per_slot,
+            "min_requests": args.min_requests,
             "max_tokens": args.max_tokens,
             "cost": str(cost_path),
         }
