@@ -1,4 +1,10 @@
-"""Looking up registered grammar providers, one instance per provider and vocabulary."""
+"""Looking up registered grammar providers, one instance per provider and vocabulary.
+
+Besides the registered providers, ``grammar_provider("auto", vocab)`` gives
+:class:`maskplug.grammar.auto.AutoProvider`, which compiles each spec with the
+registered provider best suited to it (unless a plugin registers its own
+``"auto"``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,10 @@ from ..plugins import get_registry
 from .protocols import GrammarProvider
 from .spec import Vocab
 
-__all__ = ["clear_provider_cache", "grammar_provider", "grammar_providers"]
+__all__ = ["AUTO", "clear_provider_cache", "grammar_provider", "grammar_providers"]
+
+#: The name of the provider that picks a registered provider per spec.
+AUTO = "auto"
 
 # (provider name, vocabulary fingerprint) -> the provider bound to that vocabulary.
 _providers: dict[tuple[str, str], GrammarProvider] = {}
@@ -25,7 +34,11 @@ def grammar_provider(name: str, vocab: Vocab) -> GrammarProvider:
     """The provider ``name`` bound to ``vocab`` (one instance per vocabulary, so its compile cache is shared)."""
     if not isinstance(vocab, Vocab):
         raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
-    factories = get_registry().grammar_providers
+    factories = dict(get_registry().grammar_providers)
+    if AUTO not in factories:
+        from .auto import AutoProvider
+
+        factories[AUTO] = AutoProvider
     if name not in factories:
         raise GrammarError(f"name: expected one of the registered providers {sorted(factories)}, got {name!r}")
     key = (name, vocab.fingerprint)

@@ -140,3 +140,88 @@ def test_llguidance_accepts_the_models_own_spelling_of_valid_instances() -> None
     assert total >= 40
     assert accepted == total
     assert accepted_bare < total  # the greedy spelling of forced text is not the model's
+
+
+# --------------------------------------------------------------------------
+# maskplug.conformance: maskplug's verdict equals the engine's
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def subset_reports() -> list[Any]:
+    from maskplug.conformance import load_cases, run
+
+    return run(["xgrammar", "llguidance"], load_cases(DATA), options={"strict_keys": False})
+
+
+def test_load_cases_reads_the_subset() -> None:
+    from maskplug.conformance import load_cases
+
+    cs = load_cases(DATA)
+    assert len(cs) == 44 and sum(len(c.tests) for c in cs) == 112
+    assert len(load_cases(DATA, limit=5)) == 5
+    with pytest.raises(GrammarError, match=r"^data: "):
+        load_cases(DATA.parent / "missing.jsonl")
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+def test_maskplug_verdicts_equal_the_engines(subset_reports: list[Any], name: str) -> None:
+    from maskplug.conformance import disagreements
+
+    by = {(r.provider, r.path): r for r in subset_reports}
+    mine, theirs = by[(name, "maskplug")], by[(name, "engine")]
+    assert mine.compiled == theirs.compiled == 44
+    assert mine.verdicts.keys() == theirs.verdicts.keys() and len(mine.verdicts) == 112
+    assert disagreements(subset_reports)[name] == []
+    assert mine.valid == 53 and mine.invalid == 59
+    assert mine.mask_tokens > 0 and len(mine.compile_s) == 44
+
+
+def test_llguidance_through_maskplug_accepts_what_llguidance_accepts(subset_reports: list[Any]) -> None:
+    by = {(r.provider, r.path): r for r in subset_reports}
+    # llguidance holds forced text to tekken's own spelling: valid instances are not refused for their spelling.
+    assert by[("llguidance", "maskplug")].valid_accepted == by[("llguidance", "engine")].valid_accepted
+    assert by[("llguidance", "maskplug")].valid_accepted >= 50
+
+
+def _small_cases(n: int) -> list[Any]:
+    from maskplug.conformance import load_cases
+
+    return sorted(load_cases(DATA), key=lambda c: len(json.dumps(c.schema)))[:n]
+
+
+def test_outlines_engine_walks_the_index_maskplug_built() -> None:
+    """Normalisation: outlines-core compiles once; its Guide walks maskplug's Index, verdict by verdict."""
+    from maskplug.conformance import disagreements, run
+
+    reports = run(["outlines-core"], _small_cases(3), mistral_sentencepiece(), compile_limit_s=120.0)
+    mine, theirs = reports
+    assert mine.compiled >= 1 and theirs.compiled == mine.compiled
+    assert theirs.compile_s == mine.compile_s
+    assert disagreements(reports)["outlines-core"] == []
+    assert mine.verdicts == theirs.verdicts
+
+
+def test_a_compile_stopped_at_its_limit_is_an_error_on_both_paths() -> None:
+    """Normalisation: a schema maskplug stopped at its limit has no instances counted on either path."""
+    from maskplug.conformance import run
+
+    cases = _small_cases(1)
+    mine, theirs = run(["outlines-core"], cases, mistral_sentencepiece(), compile_limit_s=0.001)
+    assert list(mine.errors) == [cases[0].id] and "limit" in mine.errors[cases[0].id]
+    assert list(theirs.errors) == [cases[0].id]
+    assert mine.verdicts == {} and theirs.verdicts == {}
+    grammar_provider("outlines-core", mistral_sentencepiece()).compile_limit_s = 5.0
+
+
+def test_conformance_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.conformance import main
+
+    assert main(["--provider", "llguidance", "--data", str(DATA), "--limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "| llguidance | maskplug | 4 / 4 |" in out and "| llguidance | engine | 4 / 4 |" in out
+    assert "disagree on 0 instances" in out
+    assert main(["--provider", "llguidance", "--data", str(DATA), "--limit", "2", "--json", "--no-engine"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (row,) = data["reports"]
+    assert row["provider"] == "llguidance" and row["schemas"] == 2 and row["compiled"] == 2

@@ -1,0 +1,477 @@
+"""Conformance of grammar providers on real JSON schemas, through maskplug and through each engine directly.
+
+Data: JSONSchemaBench-style JSON lines, one schema per line with its test
+instances (``{"id", "split", "schema", "tests": [{"valid", "data"}]}``).
+Every instance is serialised as ``json.dumps(data, ensure_ascii=False)``,
+tokenised by the model's own tokenizer (tekken by default: the vocabulary's
+encoder), fed token by token to a fresh matcher and then the stop token. A
+valid instance should be accepted to the end; an invalid one refused
+somewhere.
+
+For each provider, two paths are measured in the same run:
+
+* ``maskplug``: ``grammar_provider(name, vocab).compile(spec).matcher()``,
+  a bitmask row filled before every token (timed: mask time per token), then
+  ``accept``;
+* ``engine``: the same engine driven through its own Python API the way its
+  serving integrations drive it, with the real tokenizer: xgrammar's
+  ``GrammarCompiler``/``GrammarMatcher`` over a ``TokenizerInfo`` built from
+  the tiktoken encoding; llguidance's ``LLMatcher`` over
+  ``LLTokenizer.from_tiktoken``, a token taken only when the engine's mask
+  allows it (as masked sampling does); outlines-core's ``Guide``.
+
+Both paths get the same option mapping (:class:`~maskplug.grammar.GrammarSpec`
+options to engine settings, documented in each provider distribution).
+
+Documented normalisations (where maskplug's verdict may differ from the
+engine's; each is tested in ``tests/grammars/test_conformance_real.py``):
+
+* **outlines-core compiles once.** Building an outlines-core ``Index`` is the
+  slow part (seconds to minutes over a 131k vocabulary), so the engine path
+  walks the ``Index`` maskplug built (the same regex over the same
+  vocabulary) with its own ``Guide``; its compile figures are maskplug's.
+* **Compile limits.** maskplug stops a compile at its limit
+  (``--limit-s``); the engine path then has no grammar for that schema and
+  its instances are not counted on either path.
+
+Run it: ``python -m maskplug.conformance [--provider NAME ...] [--data FILE]
+[--limit N] [--json]`` (or ``maskplug conformance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import GrammarError
+from .grammar import GrammarSpec, Vocab, grammar_provider
+from .grammar.vocabs import mistral_tekken, mistral_tekken_encoding
+
+__all__ = [
+    "DEFAULT_PROVIDERS",
+    "Case",
+    "PathReport",
+    "default_data_path",
+    "engine_path",
+    "format_table",
+    "load_cases",
+    "main",
+    "run",
+]
+
+DEFAULT_PROVIDERS = ("xgrammar", "llguidance", "outlines-core", "auto")
+DATA_ENV = "MASKPLUG_JSONSCHEMABENCH"
+
+
+@dataclass
+class Case:
+    """One schema and its instances (``tests``: (valid, data) pairs)."""
+
+    id: str
+    split: str
+    schema: Any
+    tests: list[tuple[bool, Any]]
+
+
+def default_data_path() -> Path:
+    """``$MASKPLUG_JSONSCHEMABENCH``, else the shared sample next to the checkout, else the bundled test subset."""
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parent.parent
+    for p in (
+        root.parent / "shared" / "jsonschemabench" / "maskbench-sample.jsonl",
+        root / "tests" / "grammars" / "data" / "jsonschemabench-subset.jsonl",
+    ):
+        if p.is_file():
+            return p
+    raise GrammarError(f"data: no JSONSchemaBench file found; pass --data FILE or set {DATA_ENV}")
+
+
+def load_cases(path: str | os.PathLike[str] | None = None, limit: int | None = None) -> list[Case]:
+    """The schemas of a JSON-lines file (the first ``limit`` of them)."""
+    p = Path(path) if path is not None else default_data_path()
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise GrammarError(f"data: could not read {os.fspath(p)!r}: {exc}") from exc
+    out: list[Case] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            tests = [(bool(t["valid"]), t["data"]) for t in row["tests"]]
+            out.append(Case(str(row["id"]), str(row.get("split", "")), row["schema"], tests))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GrammarError(f"data: line {n} of {os.fspath(p)!r} is not a schema with tests: {exc}") from exc
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+@dataclass
+class PathReport:
+    """Figures of one provider on one path (``maskplug`` or ``engine``)."""
+
+    provider: str
+    path: str
+    schemas: int = 0
+    compiled: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+    compile_s: list[float] = field(default_factory=list)
+    valid: int = 0
+    valid_accepted: int = 0
+    invalid: int = 0
+    invalid_accepted: int = 0
+    mask_s: float = 0.0
+    mask_tokens: int = 0
+    verdicts: dict[str, bool] = field(default_factory=dict)
+    served_by: dict[str, str] = field(default_factory=dict)
+    warned: int = 0
+
+    def p(self, q: float) -> float:
+        return float(np.percentile(self.compile_s, q)) if self.compile_s else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        """The table row (no per-instance detail)."""
+        d = asdict(self)
+        for k in ("verdicts", "compile_s", "errors"):
+            d.pop(k)
+        d["compile_errors"] = len(self.errors)
+        d["compile_p50_s"] = self.p(50)
+        d["compile_p99_s"] = self.p(99)
+        d["mask_us_per_token"] = 1e6 * self.mask_s / self.mask_tokens if self.mask_tokens else float("nan")
+        d["served_by"] = _count(self.served_by.values())
+        return d
+
+
+def _count(items: Iterable[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def _text(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False)
+
+
+def _bit(row: np.ndarray[Any, Any], t: int) -> bool:
+    return bool((int(row[t >> 5]) >> (t & 31)) & 1)
+
+
+# --------------------------------------------------------------------------
+# maskplug's path
+# --------------------------------------------------------------------------
+
+
+def _feed_maskplug(grammar: Any, vocab: Vocab, ids: Sequence[int], bitmask: torch.Tensor) -> tuple[bool, float, int]:
+    m = grammar.matcher()
+    spent = 0.0
+    n = 0
+    for t in [*ids, vocab.eos_ids[0]]:
+        t0 = time.perf_counter()
+        m.fill(bitmask, 0)
+        spent += time.perf_counter() - t0
+        n += 1
+        if not m.accept(int(t)):
+            return False, spent, n
+    return True, spent, n
+
+
+# --------------------------------------------------------------------------
+# The engines driven directly
+# --------------------------------------------------------------------------
+
+
+class _Engine:
+    """One engine driven through its own API: ``compile(spec)`` then ``feed(grammar, ids) -> bool``."""
+
+    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
+        raise NotImplementedError
+
+    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
+        raise NotImplementedError
+
+
+class _XGrammarEngine(_Engine):
+    def __init__(self, vocab: Vocab) -> None:
+        import xgrammar as xgr
+
+        enc = mistral_tekken_encoding()
+        off = int(enc.maskplug_offset)
+        # As serving integrations hand a tiktoken vocabulary to xgrammar: raw bytes per id, controls empty.
+        encoded = [b""] * off + [enc.decode_single_token_bytes(r) for r in range(vocab.vocab_size - off)]
+        self.xgr = xgr
+        self.eos = vocab.eos_ids[0]
+        self.info = xgr.TokenizerInfo(
+            encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=[self.eos]
+        )
+        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
+
+    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
+        ws: dict[str, Any] = {"any_whitespace": spec.whitespace != "compact"}
+        if spec.whitespace == "compact":
+            ws["separators"] = (",", ":")
+        from maskplug_xgrammar.provider import capture_stderr
+
+        with capture_stderr():  # xgrammar's warnings are counted on maskplug's path; keep the console clean
+            return self.compiler.compile_json_schema(json.dumps(spec.source), strict_mode=spec.strict_keys, **ws)
+
+    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
+        m = self.xgr.GrammarMatcher(grammar)
+        bitmask = self.xgr.allocate_token_bitmask(1, self.info.vocab_size)
+        for t in [*ids, self.eos]:
+            m.fill_next_token_bitmask(bitmask, 0)  # as serving does before sampling each token
+            if not m.accept_token(int(t)):
+                return False
+        return True
+
+
+class _LLGuidanceEngine(_Engine):
+    def __init__(self, vocab: Vocab) -> None:
+        from llguidance import LLMatcher, LLTokenizer
+
+        enc = mistral_tekken_encoding()
+        off = int(enc.maskplug_offset)
+        ranks = {b: r + off for b, r in enc._mergeable_ranks.items()}
+        specials = {vocab.tokens[i].decode("utf-8"): i for i in range(off)}
+        self.LLMatcher = LLMatcher
+        self.eos = vocab.eos_ids[0]
+        self.tok = LLTokenizer.from_tiktoken(
+            encoder=ranks, special_tokens=specials, pattern=enc._pat_str, eos_token=self.eos, n_vocab=vocab.vocab_size
+        )
+        self.words = (vocab.vocab_size + 31) // 32
+
+    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
+        from maskplug_llguidance.provider import grammar_text
+
+        grammar = grammar_text(spec)
+        m = self.LLMatcher(self.tok, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"spec.source: {m.get_error()}")
+        return grammar
+
+    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
+        m = self.LLMatcher(self.tok, grammar, log_level=0)
+        mask = np.zeros(self.words, dtype=np.int32)
+        for t in [*ids, self.eos]:
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            if not _bit(mask, int(t)):  # masked sampling never picks a token the mask refuses
+                return False
+            if int(t) == self.eos:
+                return True
+            if not m.consume_token(int(t)):
+                return False
+        return True
+
+
+class _OutlinesEngine(_Engine):
+    def __init__(self, vocab: Vocab) -> None:
+        from outlines_core import Guide
+
+        self.Guide = Guide
+        self.eos = vocab.eos_ids[0]
+
+    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
+        if maskplug_grammar is None:
+            raise GrammarError("spec: outlines-core's index is built once, by maskplug, and that compile failed")
+        return maskplug_grammar.index  # see the module notes
+
+    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
+        g = self.Guide(grammar)
+        for t in ids:
+            if int(t) not in set(g.get_tokens()):
+                return False
+            g.advance(int(t))
+        return self.eos in set(g.get_tokens())
+
+
+_ENGINES: dict[str, Callable[[Vocab], _Engine]] = {
+    "xgrammar": _XGrammarEngine,
+    "llguidance": _LLGuidanceEngine,
+    "outlines-core": _OutlinesEngine,
+}
+
+
+def engine_path(name: str, vocab: Vocab) -> _Engine | None:
+    """The engine behind provider ``name`` driven directly (None for ``auto`` and unknown providers)."""
+    make = _ENGINES.get(name)
+    return make(vocab) if make is not None else None
+
+
+# --------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------
+
+
+def run(
+    providers: Sequence[str],
+    cases: Sequence[Case],
+    vocab: Vocab | None = None,
+    *,
+    options: dict[str, Any] | None = None,
+    compile_limit_s: float | None = None,
+    engine: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[PathReport]:
+    """Feed every instance of ``cases`` through each provider (and its engine directly); return the reports."""
+    v = vocab if vocab is not None else mistral_tekken()
+    if not v.has_encoder:
+        raise GrammarError("vocab: conformance needs the model's own tokenizer; got a vocabulary with no encoder")
+    opts = dict(options or {})
+    texts = {c.id: [v.encode(_text(d)) for _, d in c.tests] for c in cases}
+    bitmask = v.new_bitmask(1)
+    reports: list[PathReport] = []
+    for name in providers:
+        prov = grammar_provider(name, v)
+        if compile_limit_s is not None and hasattr(prov, "compile_limit_s"):
+            prov.compile_limit_s = compile_limit_s
+        if name == "auto":
+            for cand in getattr(prov, "candidates", []):
+                cp = grammar_provider(cand, v)
+                if compile_limit_s is not None and hasattr(cp, "compile_limit_s"):
+                    cp.compile_limit_s = compile_limit_s
+                cp.cache.clear()  # auto's compile times are its own, not earlier providers' cache hits
+            prov.cache.clear()
+        mine = PathReport(name, "maskplug")
+        eng = engine_path(name, v) if engine else None
+        theirs = PathReport(name, "engine") if eng is not None else None
+        for k, case in enumerate(cases):
+            spec = GrammarSpec("json_schema", case.schema, **opts)
+            mine.schemas += 1
+            t0 = time.perf_counter()
+            try:
+                g = prov.compile(spec)
+            except GrammarError as exc:
+                g = None
+                mine.errors[case.id] = str(exc)
+            else:
+                mine.compile_s.append(time.perf_counter() - t0)
+                mine.compiled += 1
+                mine.warned += bool(getattr(g, "warnings", None))
+                if name == "auto":
+                    mine.served_by[case.id] = str(getattr(g, "served_by", "?"))
+            eg = None
+            if eng is not None and theirs is not None:
+                theirs.schemas += 1
+                t0 = time.perf_counter()
+                try:
+                    eg = eng.compile(spec, g)
+                except Exception as exc:  # the engine's own error, as it reports it
+                    theirs.errors[case.id] = f"{type(exc).__name__}: {exc}"
+                else:
+                    theirs.compile_s.append(time.perf_counter() - t0 if name != "outlines-core" else mine.compile_s[-1])
+                    theirs.compiled += 1
+            for i, (valid, _) in enumerate(case.tests):
+                ids = texts[case.id][i]
+                key = f"{case.id}#{i}"
+                if g is not None:
+                    ok, spent, n = _feed_maskplug(g, v, ids, bitmask)
+                    mine.mask_s += spent
+                    mine.mask_tokens += n
+                    mine.verdicts[key] = ok
+                    _tally(mine, valid, ok)
+                if eg is not None and eng is not None and theirs is not None:
+                    t0 = time.perf_counter()
+                    ok = eng.feed(eg, ids)
+                    theirs.mask_s += time.perf_counter() - t0
+                    theirs.mask_tokens += len(ids) + 1
+                    theirs.verdicts[key] = ok
+                    _tally(theirs, valid, ok)
+            if progress is not None and (k + 1) % 25 == 0:
+                progress(f"{name}: {k + 1}/{len(cases)} schemas, {mine.compiled} compiled")
+        reports.append(mine)
+        if theirs is not None:
+            reports.append(theirs)
+    return reports
+
+
+def _tally(r: PathReport, valid: bool, ok: bool) -> None:
+    if valid:
+        r.valid += 1
+        r.valid_accepted += ok
+    else:
+        r.invalid += 1
+        r.invalid_accepted += ok
+
+
+def disagreements(reports: Sequence[PathReport]) -> dict[str, list[str]]:
+    """Per provider, the instances where maskplug's verdict differs from the engine's (both compiled)."""
+    by: dict[tuple[str, str], PathReport] = {(r.provider, r.path): r for r in reports}
+    out: dict[str, list[str]] = {}
+    for (name, path), r in by.items():
+        if path != "maskplug" or (name, "engine") not in by:
+            continue
+        e = by[(name, "engine")]
+        out[name] = sorted(k for k, ok in r.verdicts.items() if k in e.verdicts and e.verdicts[k] != ok)
+    return out
+
+
+def format_table(reports: Sequence[PathReport]) -> str:
+    """A Markdown table of the reports."""
+    head = (
+        "| provider | path | compiled | compile errors | compile p50 / p99 (s) | valid accepted | "
+        "invalid accepted | mask µs/token |"
+    )
+    rows = [head, "|" + "---|" * 8]
+    for r in reports:
+        s = r.summary()
+        rows.append(
+            f"| {r.provider} | {r.path} | {r.compiled} / {r.schemas} | {len(r.errors)} | "
+            f"{s['compile_p50_s']:.3f} / {s['compile_p99_s']:.3f} | {r.valid_accepted} / {r.valid} | "
+            f"{r.invalid_accepted} / {r.invalid} | {s['mask_us_per_token']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``maskplug conformance``: print the table (or JSON) for the chosen providers."""
+    ap = argparse.ArgumentParser(prog="maskplug conformance", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
+    ap.add_argument("--data", help="JSON-lines schemas with tests (default: the shared JSONSchemaBench sample)")
+    ap.add_argument("--limit", type=int, help="only the first N schemas")
+    ap.add_argument("--limit-s", type=float, default=None, help="compile limit in seconds (default: the providers')")
+    ap.add_argument("--no-engine", action="store_true", help="skip driving the engines directly")
+    ap.add_argument("--strict-keys", choices=("true", "false"), default="true")
+    ap.add_argument("--unsupported", choices=("ignore", "refuse"), default="ignore")
+    ap.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = ap.parse_args(argv)
+    cases = load_cases(a.data, a.limit)
+    opts = {"strict_keys": a.strict_keys == "true", "unsupported": a.unsupported, "whitespace": a.whitespace}
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    reports = run(
+        a.provider or DEFAULT_PROVIDERS,
+        cases,
+        options=opts,
+        compile_limit_s=a.limit_s,
+        engine=not a.no_engine,
+        progress=say,
+    )
+    diff = disagreements(reports)
+    if a.json:
+        print(json.dumps({"reports": [r.summary() for r in reports], "disagreements": diff}, indent=2))
+    else:
+        print(format_table(reports))
+        for name, keys in diff.items():
+            print(f"{name}: maskplug and the engine disagree on {len(keys)} instances {keys[:10]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
