@@ -108,11 +108,16 @@ def test_confidences_are_calibrated_per_rank() -> None:
     assert not any(o.any() for o in d_off.on_ref)
 
 
+_WORK: dict[int, Workload] = {}
+
+
 def _setup(cfg: SimConfig):  # type: ignore[no-untyped-def]
+    # One request stream per seed for the whole module (its compiled grammars are shared, as run_demo shares them).
     tok = load_tokenizer(cfg.tokenizer)
-    work = Workload(cfg, tok, grammar_provider(cfg.provider, tok.vocab))
+    if cfg.seed not in _WORK:
+        _WORK[cfg.seed] = Workload(cfg, tok, grammar_provider(cfg.provider, tok.vocab))
     target = TargetModel(cfg.seed, tok.vocab.vocab_size, noise=cfg.noise, margin=cfg.margin)
-    return work, target, structural_tokens(tok.vocab)
+    return _WORK[cfg.seed], target, structural_tokens(tok.vocab)
 
 
 def test_tree_runs_pass_every_check_in_every_regime() -> None:
