@@ -389,8 +389,9 @@ class TreeSimulation(Simulation):
             path: list[int] = []
             while cur < 0 or int(tokens[r][kept_node[cur]]) != self.eos:
                 want = int(tgt[base + cur + 1])
-                kids = np.nonzero((kept_parent == cur) & (tokens[r][kept_node] == want))[0] if e > a else []
-                if len(kids) == 0:
+                # The kept child whose token is the target's argmax here (siblings are distinct tokens).
+                kids = np.nonzero((kept_parent == cur) & (tokens[r][kept_node] == want))[0]
+                if kids.size == 0:
                     break
                 cur = int(kids[0])
                 path.append(int(kept_node[cur]))
