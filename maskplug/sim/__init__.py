@@ -9,14 +9,19 @@ from __future__ import annotations
 
 from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model, make_scheduler
 from .run import DemoReport, format_json, format_table, run_demo
+from .tree_drafter import TreeConfig
+from .tree_engine import TREE_SCHEDULERS, TreeSimulation
 from .workload import WorkloadMix
 
 __all__ = [
     "DEFAULT_SCHEDULERS",
+    "TREE_SCHEDULERS",
     "DemoReport",
     "RunResult",
     "SimConfig",
     "Simulation",
+    "TreeConfig",
+    "TreeSimulation",
     "Workload",
     "WorkloadMix",
     "default_cost_model",
