@@ -121,6 +121,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         if args.max_batch_tokens is not None
         else base.max_batch_tokens,
         schema_dir=args.schemas,
+        overlap=not args.no_overlap,
     )
     for name in ("steps", "concurrency"):
         if getattr(cfg, name) < 1:
@@ -222,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="also sweep concurrency 1/8/64/256 and draw a PNG")
     p.add_argument("--sweep-steps", type=int, default=20, help="steps per scheduler and level of the sweep")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="produce the draft masks before the simulated forward pass instead of during it (no waiting "
+        "for the forward pass's simulated time)",
+    )
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("selftest", help="check every kernel backend and grammar provider against the reference")

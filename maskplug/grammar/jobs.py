@@ -110,11 +110,11 @@ class DraftMasksJob:
     restored, and ``result()`` raises the error.
     """
 
-    __slots__ = ("_elapsed", "_future")
+    __slots__ = ("_future", "_span")
 
     def __init__(self) -> None:
         self._future: Future[DraftMasks] = Future()
-        self._elapsed: float | None = None
+        self._span: tuple[float, float] | None = None
 
     def _start(self, work: Callable[[], DraftMasks]) -> None:
         def run() -> None:
@@ -122,10 +122,10 @@ class DraftMasksJob:
             try:
                 value = work()
             except BaseException as exc:  # handed to result()
-                self._elapsed = time.perf_counter() - t0
+                self._span = (t0, time.perf_counter())
                 self._future.set_exception(exc)
             else:
-                self._elapsed = time.perf_counter() - t0
+                self._span = (t0, time.perf_counter())
                 self._future.set_result(value)
 
         try:
@@ -147,7 +147,11 @@ class DraftMasksJob:
 
     def elapsed(self) -> float | None:
         """Seconds the job thread spent producing the rows (None until done): the host cost it took off the caller."""
-        return self._elapsed
+        return None if self._span is None else self._span[1] - self._span[0]
+
+    def finished_at(self) -> float | None:
+        """When production ended, on :func:`time.perf_counter`'s clock (None until done)."""
+        return None if self._span is None else self._span[1]
 
     def wait(self) -> None:
         """Wait until the job is done, without raising its error."""

@@ -21,6 +21,17 @@ does, calling maskplug for every part that maskplug owns:
 7. commit the emitted tokens (:func:`maskplug.commit`), retire finished
    requests and validate their outputs.
 
+With ``SimConfig.overlap``, stage 3 runs while the accelerator would run
+its forward pass, for schedulers that choose the budget without the draft
+masks (``uses_grammar`` false): the budget is chosen, the forward pass is
+launched (it is stood in for by the cost model's time for the step, during
+which the host thread is free, as while an accelerator computes), the rows
+are started as a job (``fill_draft_masks(..., wait=False)``) and collected
+before sampling. Each step records the simulated forward time, the mask
+production time and the step's time from the forward pass's launch to the
+masks being ready: measured with overlap, and without it as production +
+forward (schedulers that read the masks always take that path).
+
 Each stage is one method of :class:`Simulation` (``_admit``, ``_draft``,
 ``_fill_masks``, ``_choose_budget``, ``_masked_logits``, ``_verify``,
 ``_commit`` and ``_retire``), passing small records (``_Batch``, ``_Masks``,
@@ -122,6 +133,8 @@ class SimConfig:
         check_rows: rows per step whose masking is checked column by column.
         mix: request kinds.
         schema_dir: the folder of JSON schemas (default :func:`maskplug.data.schema_dir`).
+        overlap: produce the mask rows during the simulated forward pass
+            (which then takes real time: the cost model's, per step).
     """
 
     steps: int = 60
@@ -139,6 +152,7 @@ class SimConfig:
     check_rows: int = 2
     mix: WorkloadMix = field(default_factory=WorkloadMix)
     schema_dir: str | None = None
+    overlap: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """The configuration as plain JSON values."""
@@ -281,6 +295,16 @@ class RunResult:
     budgets: list[int] = field(default_factory=list)
     max_budgets: list[int] = field(default_factory=list)
     tempted_rows: int = 0
+    #: the cost model's forward time (verify + draft), summed over steps
+    forward_ms: float = 0.0
+    #: mask production time (host), summed over steps
+    mask_ms: float = 0.0
+    #: step time from mask production's start to masks ready, without overlap (production + forward)
+    serial_ms: float = 0.0
+    #: the same, measured with mask production overlapping the forward pass (equal to serial_ms without overlap)
+    overlap_ms: float = 0.0
+    #: max(forward, mask production) per step, summed: what overlap can reach at best
+    bound_ms: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -336,6 +360,9 @@ class _Batch:
     live_cols: npt.NDArray[np.bool_]
     #: maskplug's host time in this step so far
     host_s: float = 0.0
+    #: mask production and, with overlap, the time from the forward pass's launch to the masks ready (seconds)
+    mask_s: float = 0.0
+    ready_s: float | None = None
 
 
 @dataclass
@@ -488,8 +515,11 @@ class Simulation:
         """Run engine step ``t``: the seven stages of the module docstring, each checked."""
         self._admit()
         batch = self._draft(t)
-        masks = self._fill_masks(batch)
-        budget = self._choose_budget(batch, masks)
+        if self.cfg.overlap and not self.grammar_aware:
+            masks, budget = self._overlapped(batch)
+        else:
+            masks = self._fill_masks(batch)
+            budget = self._choose_budget(batch, masks)
         self._check_layouts(batch, masks, budget)
         rows = self._masked_logits(batch, masks, budget)
         n_acc, final_tok = self._verify(batch, masks, budget, rows)
@@ -553,11 +583,49 @@ class Simulation:
         flat_drafts = batch.drafts.tokens[batch.live_cols]  # batch order, Σ num_drafts entries
         dm = fill_draft_masks([batch.act[g].matcher for g in g_idx], flat_drafts, bitmask, rows, batch.layout)
         mapping = rows.mapping(batch.layout)
-        batch.host_s += time.perf_counter() - h0
+        spent = time.perf_counter() - h0
+        batch.host_s += spent
+        batch.mask_s = spent
         return _Masks(g_idx, num_rows, bitmask, dm, mapping)
 
-    def _choose_budget(self, batch: _Batch, masks: _Masks) -> _Budget:
-        """Stage 4: the scheduler's budget on stale confidences, its allocation on live ones, the compaction."""
+    def _forward_ms(self, batch: _Batch, b: int) -> float:
+        """The cost model's time for the step's forward passes: verify, plus the drafter when drafts were made."""
+        ms = float(self.cost.verify_ms(int(batch.num_non_draft.sum()) + b))
+        if batch.layout.total_drafts:
+            ms += float(self.cost.draft_ms(int((~batch.prefill).sum())))
+        return ms
+
+    def _overlapped(self, batch: _Batch) -> tuple[_Masks, _Budget]:
+        """Stages 4 then 3: the budget (without the masks), the forward pass launched, the rows as a job meanwhile."""
+        budget = self._choose_budget(batch, None)
+        # The accelerator's forward pass starts now and ends at its simulated time; the host thread
+        # prepares and starts the rows' job, then only waits (a late wake-up is not the accelerator's).
+        forward_s = self._forward_ms(batch, budget.b) / 1e3
+        f0 = time.perf_counter()
+        g_idx = np.nonzero(batch.has_g)[0]
+        rows = GrammarRows(batch.rid[g_idx])
+        num_rows = rows.num_rows(batch.layout)
+        bitmask = self.vocab.new_bitmask(num_rows)
+        flat_drafts = batch.drafts.tokens[batch.live_cols]
+        c0 = time.perf_counter()
+        job = fill_draft_masks(
+            [batch.act[g].matcher for g in g_idx], flat_drafts, bitmask, rows, batch.layout, wait=False
+        )
+        c1 = time.perf_counter()
+        time.sleep(max(0.0, f0 + forward_s - c1))
+        h1 = time.perf_counter()
+        dm = job.result()
+        mapping = rows.mapping(batch.layout)
+        batch.host_s += (c1 - f0) + (time.perf_counter() - h1)
+        batch.mask_s = (c0 - f0) + (job.elapsed() or 0.0)
+        batch.ready_s = max(forward_s, (job.finished_at() or h1) - f0)
+        return _Masks(g_idx, num_rows, bitmask, dm, mapping), budget
+
+    def _choose_budget(self, batch: _Batch, masks: _Masks | None) -> _Budget:
+        """Stage 4: the scheduler's budget on stale confidences, its allocation on live ones, the compaction.
+
+        ``masks`` is None when the rows are still being produced (schedulers that do not read them).
+        """
         cfg, K, t, n = self.cfg, self.K, batch.t, len(batch.act)
         h0 = time.perf_counter()
         stale = self.hist.stale(batch.slots)[:, : max(K, 1)]
@@ -571,7 +639,7 @@ class Simulation:
             batch.layout,
             self.cost,
             confidences=stale,
-            grammar=masks.dm if masks.g_idx.size else None,
+            grammar=masks.dm if masks is not None and masks.g_idx.size else None,
             max_logits=max_logits,
         )
         decision = self.sched.budget(view)
@@ -836,12 +904,16 @@ class Simulation:
         """Simulated time, counters and the ``step_end`` hook."""
         res, b, total = self.result, budget.b, batch.layout.total_drafts
         decode = ~batch.prefill
-        step_ms = float(self.cost.verify_ms(int(batch.num_non_draft.sum()) + b))
-        if total:
-            step_ms += float(self.cost.draft_ms(int(decode.sum())))
+        step_ms = self._forward_ms(batch, b)
         res.steps += 1
         res.tokens += emitted
         res.sim_ms += step_ms
+        serial = 1e3 * batch.mask_s + step_ms
+        res.forward_ms += step_ms
+        res.mask_ms += 1e3 * batch.mask_s
+        res.serial_ms += serial
+        res.overlap_ms += serial if batch.ready_s is None else 1e3 * batch.ready_s
+        res.bound_ms += max(step_ms, 1e3 * batch.mask_s)
         res.regimes[budget.regime] += 1
         res.zero_trimmed += int(b == 0 and total > 0)
         res.verified += b

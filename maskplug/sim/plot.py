@@ -45,7 +45,9 @@ def sweep(
             limit = base.max_batch_tokens
             if limit is not None:
                 limit = max(limit, 8 * c)
-            cfg = dataclasses.replace(base, concurrency=c, steps=steps, tokenizer=tokenizer, max_batch_tokens=limit)
+            cfg = dataclasses.replace(
+                base, concurrency=c, steps=steps, tokenizer=tokenizer, max_batch_tokens=limit, overlap=False
+            )
             rep = run_demo(cfg, schedulers, progress=False)
             for s in schedulers:
                 out[s].append(rep.results[s].goodput)

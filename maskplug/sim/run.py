@@ -100,6 +100,8 @@ def format_table(report: DemoReport) -> str:
         ("cut-off", "right"),
         ("host µs/step", "right"),
         ("apply ms/step", "right"),
+        ("step ms", "right"),
+        ("overlapped", "right"),
     ]
     rows = []
     for name, r in report.results.items():
@@ -119,6 +121,8 @@ def format_table(report: DemoReport) -> str:
                 str(r.cut_off),
                 f"{1e6 * r.host_s / s:,.0f}",
                 f"{1e3 * r.apply_s / s:.2f}",
+                f"{r.serial_ms / s:.1f}",
+                f"{r.overlap_ms / s:.1f}",
             ]
         )
     lines = [render_table(columns, rows)]
@@ -134,6 +138,10 @@ def format_table(report: DemoReport) -> str:
         "goodput: emitted tokens per simulated second under the cost model; cut-off: outputs stopped by their token",
         "limit (never counted valid); host µs/step: maskplug's host path (draft masks, budget, allocation, compaction,",
         "commit); apply: the mask kernel on this CPU.",
+        "step ms: one step's forward pass (the cost model's time) after its draft mask rows (host);",
+        "overlapped: the same step with the rows produced while the forward pass runs (fill_draft_masks(...,",
+        f"wait=False), measured{'' if cfg.overlap else ': off, --no-overlap'}); schedulers that read the masks choose "
+        "the budget from them and cannot overlap.",
         f"invariant checks: {'all passed' if checks == 0 else f'{checks} VIOLATIONS'}",
     ]
     for name, r in report.results.items():

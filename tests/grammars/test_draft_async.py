@@ -130,8 +130,9 @@ def test_jobs_match_the_synchronous_path_under_any_interleaving(provider: str, s
             job = fill_draft_masks(*args, wait=False)
             assert isinstance(job, DraftMasksJob)
             got = job.result(30)
-            spent = job.elapsed()
+            spent, end = job.elapsed(), job.finished_at()
             assert spent is not None and spent > 0
+            assert end is not None and end <= time.perf_counter()
         elif kind == "commit-first":
             # The commit comes before result() while the job is still running: it waits for the job.
             gated.gate.clear()
