@@ -344,7 +344,7 @@ def profile_runner(
 
     verify = _time_ms({n: forward(n) for n in tokens}, repeats, warmup, statistic, clock)
 
-    drafter = getattr(runner, "drafter", None)
+    drafter: Any = getattr(runner, "drafter", None)
     method = getattr(spec, "method", None) if spec is not None else None
     draft_measured = method == "ngram" and drafter is not None and hasattr(drafter, "propose")
     if draft_measured:
