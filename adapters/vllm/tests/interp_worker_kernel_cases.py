@@ -22,9 +22,10 @@ Three implementations meet on every batch:
   (``mask_stride`` rows per grammar request, as vLLM's later release lays
   them out), vLLM's kernel launched with the fixed ``req_idx * mask_stride +
   position`` mapping;
-* maskplug: :func:`maskplug_vllm.worker.apply_compacted` (ragged) and
-  :func:`maskplug.apply_grammar_bitmask` with the fixed
-  :class:`maskplug.GrammarRows` mapping;
+* maskplug: :func:`maskplug_vllm.worker.apply_compacted` (ragged), and for
+  fixed rows :func:`maskplug.apply_grammar_bitmask` with the fixed
+  :class:`maskplug.GrammarRows` mapping and, with one bonus row per request,
+  the adapter's fixed-row worker apply (``maskplug_vllm.v0_33.apply_compacted``);
 * the oracle, :func:`maskplug.reference.apply_grammar_bitmask`.
 
 in all three budget regimes: every draft verified (full), some trimmed on the
@@ -55,7 +56,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from maskplug_vllm import patches  # noqa: E402
+from maskplug_vllm import patches, v0_33  # noqa: E402
 from maskplug_vllm.worker import apply_compacted  # noqa: E402
 from vllm.v1.worker.gpu import structured_outputs as so  # noqa: E402
 
@@ -238,6 +239,13 @@ def check(case: Case, mode: str) -> bool:
     ours = run_maskplug(case, mode)
     assert torch.equal(theirs, want), f"vLLM's kernel differs from the oracle ({mode})"
     assert torch.equal(ours, want), f"maskplug differs from the oracle ({mode})"
+    if mode == "fixed" and case.num_bonus == v0_33.NUM_BONUS:
+        # The adapter's own fixed-row worker apply (vLLM's later releases lay rows out this way).
+        fixed = case.logits.clone()
+        v0_33.apply_compacted(
+            case.worker(), fixed, case.input_batch(), case.grammar_req_ids, case.bitmask_rows["fixed"]
+        )
+        assert torch.equal(fixed, want), "maskplug_vllm.v0_33.apply_compacted differs from the oracle"
     return bool(torch.isinf(ours).any())
 
 
@@ -277,3 +285,4 @@ def test_pinned_partial_step(mode: str) -> None:
     assert allowed == [[10], [11], [0]]
     assert torch.equal(theirs, ours)
     assert torch.equal(ours, case.expected(mode))
+    assert check(case, mode)  # every implementation of this layout, the fixed-row worker apply included
