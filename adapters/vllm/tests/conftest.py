@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-from vllm_release import skip_other_release_tests
+import os
 
-from maskplug.testing import load_hypothesis_profile, skip_gpu_tests
+# vLLM's CPU worker does not reduce torch to one thread here, and idle OpenMP and
+# numba threads (the n-gram drafter starts them) then spin against the model's
+# operators on a 2-core machine: speculative steps were tens of times slower.
+# Set before torch loads, so the engines these tests start (in this process or
+# in subprocesses, which inherit it) compute on one thread with sleeping idlers.
+for _name, _value in (("OMP_NUM_THREADS", "1"), ("OMP_WAIT_POLICY", "PASSIVE"), ("NUMBA_NUM_THREADS", "1")):
+    os.environ.setdefault(_name, _value)
+
+import pytest  # noqa: E402
+from vllm_release import skip_other_release_tests  # noqa: E402
+
+from maskplug.testing import load_hypothesis_profile, skip_gpu_tests  # noqa: E402
 
 # The same profiles as the core suite: CI runs every property with 1,000 examples.
 load_hypothesis_profile()
