@@ -325,10 +325,11 @@ def _check_matchers(matchers: Any, g_count: int) -> tuple[list[Matcher], list[in
     if len(ms) != g_count:
         raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
     ok = _MATCHER_TYPES.ok
-    for g, m in enumerate(ms):
-        if not ok(m):
-            raise GrammarError(f"matchers[{g}]: expected a Matcher, got {type(m).__name__}")
-    keys = [id(m) for m in ms]
+    # One check per distinct type (usually one); the first bad matcher is named.
+    if not all(ok(m) for m in {type(m): m for m in ms}.values()):
+        g = next(g for g, m in enumerate(ms) if not ok(m))
+        raise GrammarError(f"matchers[{g}]: expected a Matcher, got {type(ms[g]).__name__}")
+    keys = list(map(id, ms))
     if len(set(keys)) != len(keys):
         first: dict[int, int] = {}
         for g, k in enumerate(keys):

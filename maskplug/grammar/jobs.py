@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -60,8 +61,7 @@ def claim(matchers: Sequence[Any], keys: list[int], arg: str, job: DraftMasksJob
     while True:
         with _LOCK:
             if not _HELD or _HELD.keys().isdisjoint(keys):
-                for k in keys:
-                    _HELD[k] = c
+                _HELD.update(dict.fromkeys(keys, c))
                 return c
             i = next(i for i, k in enumerate(keys) if k in _HELD)
             other = _HELD[keys[i]]
@@ -79,9 +79,8 @@ def claim(matchers: Sequence[Any], keys: list[int], arg: str, job: DraftMasksJob
 def release(c: Claim) -> None:
     """Give back what :func:`claim` took."""
     with _LOCK:
-        for k in c.keys:
-            if _HELD.get(k) is c:
-                del _HELD[k]
+        # The keys are this claim's alone (claim() takes all or none).
+        deque(map(_HELD.pop, c.keys), maxlen=0)
 
 
 _POOL: ThreadPoolExecutor | None = None
