@@ -37,12 +37,21 @@ from typing import Any
 from ..errors import GrammarError
 from .spec import GrammarSpec
 
-__all__ = ["DEFAULT_COMPILE_LIMIT_S", "STARTUP_LIMIT_S", "CompileWorker", "check_limit", "effective_limit"]
+__all__ = [
+    "DEFAULT_COMPILE_LIMIT_S",
+    "IDLE_EXIT_S",
+    "STARTUP_LIMIT_S",
+    "CompileWorker",
+    "check_limit",
+    "effective_limit",
+]
 
 #: Seconds a compile may take unless the provider or the call says otherwise.
 DEFAULT_COMPILE_LIMIT_S = 5.0
 #: Seconds a worker may take to start (import its engine, build the tokenizer); not a request's time.
 STARTUP_LIMIT_S = 180.0
+#: A worker with no compile for this long exits (the next compile starts a fresh one).
+IDLE_EXIT_S = 120.0
 
 BuildFn = Callable[..., Callable[[GrammarSpec], Any]]
 
@@ -75,6 +84,8 @@ def _worker_main(inbox: Connection, conn: Connection) -> None:
     conn.send(("ready", None))
     while True:
         try:
+            if not inbox.poll(IDLE_EXIT_S):
+                return  # idle: free the memory; the provider starts a new worker when needed
             spec = inbox.recv()
         except (EOFError, OSError):
             return
@@ -134,6 +145,7 @@ class CompileWorker:
         self._finalizer: Any = None
         self.started = 0
         self.killed = 0
+        self._last_used = -math.inf
 
     @property
     def pid(self) -> int | None:
@@ -142,7 +154,9 @@ class CompileWorker:
         return int(p.pid) if p is not None and p.poll() is None else None
 
     def _start(self) -> Connection:
-        if self._proc is not None and self._proc.poll() is None and self._conn is not None:
+        fresh = time.monotonic() - self._last_used < IDLE_EXIT_S - 10.0  # well before the worker's idle exit
+        if fresh and self._proc is not None and self._proc.poll() is None and self._conn is not None:
+            self._last_used = time.monotonic()
             return self._conn
         self._shutdown()
         # A fresh interpreter (``python -m maskplug.grammar.limits``): no inherited engine threads or
@@ -180,6 +194,7 @@ class CompileWorker:
         if kind != "ready":
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker could not start: {detail}")
+        self._last_used = time.monotonic()
         return send
 
     def _shutdown(self) -> None:

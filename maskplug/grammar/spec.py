@@ -67,6 +67,26 @@ class GrammarSpec:
     * ``compile_limit_s``: seconds this compile may take (default: the
       provider's ``compile_limit_s``; ``math.inf``: no limit). Not part of
       :meth:`key`.
+
+    How the options map to each engine (and what vLLM passes by default)::
+
+        option        xgrammar                 llguidance                      outlines-core
+        whitespace    any_whitespace=True      whitespace_flexible=True        its own [ ]? (one optional
+         flexible     (vLLM: the same)         (vLLM: the same)                space; vLLM: the same)
+        whitespace    any_whitespace=False,    whitespace_flexible=False,      whitespace_pattern=""
+         compact      separators (",", ":")    separators "," and ":"
+        strict_keys   strict_mode=True         schema gets additionalProperties  what it always does
+         True         (vLLM: the same)         false where unsaid (vLLM: only with
+                                               guidance_disable_additional_properties)
+        strict_keys   strict_mode=False        the schema as it is             GrammarError naming
+         False                                 (vLLM's default for guidance)   strict_keys (open objects)
+        unsupported   compiles; its C++        lenient=True; its warnings      maskplug's keyword check,
+         ignore       warnings captured        in ``warnings``                 in ``warnings``
+        unsupported   GrammarError naming      lenient=False: GrammarError     GrammarError naming
+         refuse       unsupported + warnings   naming unsupported              unsupported + keywords
+
+    Known gap: xgrammar leaves some keywords out without a warning (for
+    example ``uniqueItems``), so ``warnings`` lists only what the engine says.
     """
 
     kind: str
