@@ -133,9 +133,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"maskplug demo: error: --drafts: expected an integer >= 0, got {cfg.drafts}", file=sys.stderr)
         return 2
     scheds = [s for arg in (args.scheduler or []) for s in arg.split(",") if s] or list(DEFAULT_SCHEDULERS)
+    for opt, low in (("tree_branch", 1), ("tree_width", 1), ("tree_depth", 0)):
+        got = getattr(args, opt)
+        if got is not None and got < low:
+            flag = "--" + opt.replace("_", "-")
+            print(f"maskplug demo: error: {flag}: expected an integer >= {low}, got {got}", file=sys.stderr)
+            return 2
     show = not args.no_progress
     try:
-        report = run_demo(cfg, scheds, progress=show)
+        tree = None
+        if args.tree or any(s.startswith("tree:") for s in scheds):
+            from .sim.tree_drafter import TreeConfig
+            from .sim.tree_engine import TREE_SCHEDULERS
+
+            tree = TreeConfig(branch=args.tree_branch, depth=args.tree_depth, width=args.tree_width)
+            if args.tree:
+                scheds += [s for s in TREE_SCHEDULERS if s not in scheds]
+        report = run_demo(cfg, scheds, progress=show, tree=tree)
         if args.plot:
             from .sim.plot import plot_demo, sweep
 
@@ -214,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-batch-tokens", type=int, default=None, help="engine tokens per step, 0 = no limit (default 192)"
     )
     p.add_argument("--squeeze-every", type=int, default=0, help="every N-th step has room for bonus rows only")
+    p.add_argument(
+        "--tree",
+        action="store_true",
+        help="also run tree verification: rows tree:dspark and tree:grammar-aware:dspark (top-k draft trees, "
+        "the budget over tree nodes, the same cost model and token limit); tree rows verify greedily, also the "
+        "requests that chain rows verify by rejection sampling",
+    )
+    p.add_argument("--tree-branch", type=int, default=2, help="tree drafter: candidates per node, top-k (default 2)")
+    p.add_argument("--tree-depth", type=int, default=None, help="tree drafter: levels (default: --drafts)")
+    p.add_argument("--tree-width", type=int, default=4, help="tree drafter: nodes kept per level (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object (fields: docs/design.md, section 9)")
     p.add_argument(
         "--no-timing",

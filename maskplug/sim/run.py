@@ -15,6 +15,8 @@ from ..grammar import grammar_provider
 from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model
 from .models import TargetModel, structural_tokens
 from .tokenizers import load_tokenizer
+from .tree_drafter import TreeConfig
+from .tree_engine import TreeSimulation, is_tree_scheduler
 
 __all__ = ["DemoReport", "format_json", "format_table", "run_demo"]
 
@@ -28,6 +30,8 @@ class DemoReport:
     setup_s: float = 0.0
     run_s: float = 0.0
     backend: str = ""
+    #: the tree drafter's shape when tree schedulers ran (``tree:INNER``), else None
+    tree: TreeConfig | None = None
 
     @property
     def violations(self) -> int:
@@ -47,8 +51,13 @@ def run_demo(
     cost: CostModel | None = None,
     progress: bool = True,
     stream: TextIO | None = None,
+    tree: TreeConfig | None = None,
 ) -> DemoReport:
-    """Run each scheduler for ``config.steps`` steps on the same request stream."""
+    """Run each scheduler for ``config.steps`` steps on the same request stream.
+
+    Tree schedulers (``tree:INNER``, :mod:`.tree_engine`) draft trees of shape
+    ``tree`` (default :class:`TreeConfig`).
+    """
     import torch
 
     t0 = time.perf_counter()
@@ -60,6 +69,8 @@ def run_demo(
     structural = structural_tokens(tok.vocab)
     cost = cost if cost is not None else default_cost_model()
     report = DemoReport(config, backend=backend)
+    if any(is_tree_scheduler(s) for s in schedulers):
+        report.tree = tree if tree is not None else TreeConfig()
     report.setup_s = time.perf_counter() - t0
     with Progress(config.steps * len(schedulers), "demo", stream=stream, enabled=progress) as bar:
         for i, name in enumerate(schedulers):
@@ -68,7 +79,12 @@ def run_demo(
             def tick(t: int, res: RunResult, base: int = base, name: str = name) -> None:
                 bar.update(base + t + 1, f"{name}: {res.tokens} tokens, {res.valid} valid")
 
-            sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
+            if is_tree_scheduler(name):
+                sim = TreeSimulation(
+                    config, name, workload, target, cost, on_step=tick, structural=structural, tree=report.tree
+                )
+            else:
+                sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
             report.results[name] = sim.run()
     report.run_s = time.perf_counter() - t0 - report.setup_s
     return report
@@ -81,6 +97,8 @@ def format_json(report: DemoReport, timing: bool = True) -> str:
         "config": report.config.as_json(),
         "schedulers": {name: r.as_json(timing) for name, r in report.results.items()},
     }
+    if report.tree is not None:
+        obj["config"]["tree"] = report.tree.as_json(report.config.drafts)
     return json.dumps(obj, indent=2, sort_keys=False)
 
 
@@ -144,6 +162,13 @@ def format_table(report: DemoReport) -> str:
         "the budget from them and cannot overlap.",
         f"invariant checks: {'all passed' if checks == 0 else f'{checks} VIOLATIONS'}",
     ]
+    if report.tree is not None:
+        tr = report.tree.as_json(cfg.drafts)
+        lines[-1:-1] = [
+            f"tree:X: draft trees (top-{tr['branch']} branching, depth {tr['depth']}, width {tr['width']}) with X's "
+            "budget over tree nodes, same cost model and token limit;",
+            "verified greedily for every request (requests that sample in chain rows take the argmax in tree rows).",
+        ]
     for name, r in report.results.items():
         for v in r.violations[:5]:
             lines.append(f"  {name}: {v}")

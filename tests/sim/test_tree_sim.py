@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from sim_testkit import BrokenPlugin
@@ -177,3 +179,40 @@ def test_a_live_mapping_that_leaves_rows_in_place_is_caught(monkeypatch: pytest.
     work, target, structural = _setup(cfg)
     res = TreeSimulation(cfg, "tree:dspark", work, target, default_cost_model(), structural=structural).run()
     assert any("live mapping" in v for v in res.violations), res.violations
+
+
+TREE_SMALL = ["demo", "--steps", "5", "--concurrency", "3", "--tokenizer", "spm", "--no-progress"]
+
+
+def test_demo_tree_adds_tree_rows_and_stays_byte_identical(capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.cli import main
+
+    args = [*TREE_SMALL, "--tree", "--tree-width", "3", "--scheduler", "dspark", "--json", "--no-timing"]
+    outs = []
+    for _ in range(2):
+        assert main(args) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0].encode() == outs[1].encode()
+    obj = json.loads(outs[0])
+    assert list(obj["schedulers"]) == ["dspark", *TREE_SCHEDULERS]
+    assert obj["config"]["tree"] == {"branch": 2, "depth": 4, "width": 3, "second_chance": 0.5}
+    for name in TREE_SCHEDULERS:
+        rec = obj["schedulers"][name]
+        assert rec["steps"] == 5 and rec["invalid"] == 0 and rec["tokens"] > 0
+    # Without --tree the configuration has no tree and no tree rows run.
+    assert main([*TREE_SMALL, "--scheduler", "dspark", "--json", "--no-timing"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert "tree" not in plain["config"] and list(plain["schedulers"]) == ["dspark"]
+
+
+def test_demo_tree_table_and_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.cli import main
+
+    assert main([*TREE_SMALL, "--scheduler", "tree:verify-all", "--tree-branch", "3", "--tree-depth", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tree:verify-all" in out and "top-3 branching, depth 2" in out and "all passed" in out
+    for flag, value in (("--tree-branch", "0"), ("--tree-width", "0"), ("--tree-depth", "-1")):
+        assert main([*TREE_SMALL, "--tree", flag, value]) == 2
+        assert flag in capsys.readouterr().err
+    assert main([*TREE_SMALL, "--scheduler", "tree:goodput"]) == 2
+    assert "tree:dspark" in capsys.readouterr().err
