@@ -79,6 +79,7 @@ def run_demo(
             def tick(t: int, res: RunResult, base: int = base, name: str = name) -> None:
                 bar.update(base + t + 1, f"{name}: {res.tokens} tokens, {res.valid} valid")
 
+            sim: Simulation
             if is_tree_scheduler(name):
                 sim = TreeSimulation(
                     config, name, workload, target, cost, on_step=tick, structural=structural, tree=report.tree
