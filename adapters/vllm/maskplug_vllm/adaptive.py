@@ -126,6 +126,7 @@ _DRAFT_MASKS_ON_OUTPUT = "maskplug_draft_masks"
 DEFAULT_COST = {"verify_base_ms": 10.0, "verify_per_token_ms": 0.05, "draft_base_ms": 0.0, "draft_per_req_ms": 0.0}
 
 _MAX_REQS = 1024
+_NO_IDS: npt.NDArray[np.str_] = np.zeros(0, dtype=str)
 _MAX_TOKENS = 16384
 
 
@@ -286,11 +287,14 @@ class _Controller:
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= int(b) <= view.cap:
             raise BudgetError(f"scheduler {self.name!r}: expected a budget in [0, {view.cap}], got {b!r}")
         b = int(b)
+        if b == total:
+            # Nothing trimmed: every request keeps all its drafts (the only split that sums to the
+            # total), and vLLM's own scheduler output runs unchanged.
+            plan = _Plan(layout, b, nd.copy(), "full", structured, len(gids), finished)
+            return so, plan
         capacity = self._split(view, b)
         comp = compact(layout, b, capacity)
         plan = _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
-        if b == total:
-            return so, plan
         kept = {r: list(spec[r][:c]) for r, c in zip(ids, capacity.tolist(), strict=True) if c > 0}
         num_tokens = {r: int(t) for r, t in zip(ids, comp.num_tokens_per_req.tolist(), strict=True)}
         trimmed = dataclasses.replace(
@@ -305,6 +309,8 @@ class _Controller:
     def _split(self, view: StepView, budget: int) -> npt.NDArray[np.int64]:
         """Per-request capacities for ``budget``: the scheduler's beliefs where it has them, else by position."""
         lay = view.layout
+        if budget == 0:
+            return np.zeros(lay.n, dtype=np.int64)  # the only split of nothing
         k = int(lay.num_drafts.max())
         beliefs = None
         fn = getattr(self.scheduler, "beliefs", None)
@@ -336,31 +342,32 @@ class _Controller:
         sampled = getattr(output, "sampled_token_ids", None) or []
         index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
         lay = plan.layout
-        ids = list(lay.req_ids.tolist())
-        emitted = np.zeros(lay.n, dtype=np.int64)
-        present = np.zeros(lay.n, dtype=bool)
-        for i, r in enumerate(ids):
-            j = index.get(r)
-            if j is not None and j < len(sampled):
-                emitted[i] = len(sampled[j])
-                # Only requests that had drafts scheduled say anything about acceptance.
-                present[i] = emitted[i] > 0 and lay.num_drafts[i] > 0
-        accepted = np.minimum(np.maximum(emitted - 1, 0), plan.capacity)
-        sel = np.flatnonzero(present)
+        ids = lay.req_ids.tolist()
+        num_sampled = len(sampled)
+        get = index.get
+        emitted_list = []
+        for r in ids:
+            j = get(r)
+            emitted_list.append(len(sampled[j]) if j is not None and j < num_sampled else 0)
+        emitted = np.array(emitted_list, dtype=np.int64)
+        # Only requests that had drafts scheduled say anything about acceptance.
+        sel = np.flatnonzero((emitted > 0) & (lay.num_drafts > 0))
+        accepted = np.minimum(np.maximum(emitted[sel] - 1, 0), plan.capacity[sel])
         outcome = StepOutcome(
-            req_ids=np.asarray([ids[i] for i in sel], dtype=str) if sel.size else np.zeros(0, dtype=str),
+            req_ids=lay.req_ids[sel] if sel.size else _NO_IDS,
             verified=plan.capacity[sel],
-            accepted=accepted[sel],
-            finished=np.asarray(plan.finished, dtype=str) if plan.finished else np.zeros(0, dtype=str),
+            accepted=accepted,
+            finished=np.asarray(plan.finished, dtype=str) if plan.finished else _NO_IDS,
         )
         self.scheduler.observe(outcome)
+        num_accepted = int(accepted.sum())
         with self.lock:
             st = self.stats
             step = st["steps"]
             st["steps"] += 1
             st["drafts_scheduled"] += lay.total_drafts
             st["drafts_verified"] += plan.budget
-            st["drafts_accepted"] += int(accepted[sel].sum())
+            st["drafts_accepted"] += num_accepted
             st["tokens_emitted"] += int(emitted.sum())
             if plan.structured:
                 st["structured_steps"] += 1
@@ -375,7 +382,7 @@ class _Controller:
                 "budget": plan.budget,
                 "regime": plan.regime,
                 "structured": plan.structured,
-                "accepted": int(accepted[sel].sum()),
+                "accepted": num_accepted,
                 "emitted": int(emitted.sum()),
                 "finished": len(plan.finished),
             }

@@ -17,6 +17,7 @@ Both keep vLLM's calling conventions exactly, so they are drop-in replacements.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import torch
 
 from maskplug import apply_grammar_bitmask
 
-from .host import draft_counts, step_rows
+from .host import StepRows, draft_counts, step_rows
 
 __all__ = ["SCHEDULED_SPEC_ATTR", "apply_compacted", "apply_scatter"]
 
@@ -53,6 +54,30 @@ def _vocab_size(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
     return int(min(logits.shape[1], 32 * bitmask.shape[1]))
 
 
+_ROWS_CACHE_SIZE = 256
+_rows_cache: dict[tuple[tuple[str, ...], tuple[str, ...], bytes], StepRows] = {}
+
+
+def _scheduled_rows(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> StepRows:
+    """:func:`step_rows` for a step's scheduled drafts, reused while batch, grammar requests and counts repeat.
+
+    A running batch sees the same few draft-count patterns step after step,
+    so the layout and row mapping of a recent step are handed back instead of
+    rebuilt (they are only read). Steps with grammar requests outside the
+    batch are always built afresh.
+    """
+    nd = draft_counts(req_ids, spec)
+    key = (tuple(req_ids), tuple(gids), nd.tobytes())
+    rows = _rows_cache.get(key)
+    if rows is None:
+        rows = step_rows(req_ids, gids, nd, 1, spec)
+        if rows.num_batch == rows.layout.n:
+            if len(_rows_cache) >= _ROWS_CACHE_SIZE:
+                _rows_cache.clear()
+            _rows_cache[key] = rows
+    return rows
+
+
 def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, logits: torch.Tensor) -> None:
     """Drop-in for vLLM's ``apply_grammar_bitmask(scheduler_output, grammar_output, input_batch, logits)``.
 
@@ -73,7 +98,7 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     spec = getattr(scheduler_output, SCHEDULED_SPEC_ATTR, None)
     if spec is None:
         spec = active
-    rows = step_rows(req_ids, gids, draft_counts(req_ids, spec), 1, spec)
+    rows = _scheduled_rows(req_ids, gids, spec)
     if spec is active:
         cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
     else:

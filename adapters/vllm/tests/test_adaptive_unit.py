@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from maskplug_vllm import adaptive, patches
+from maskplug_vllm import adaptive, patches, worker
+from maskplug_vllm.host import draft_counts, step_rows
 from maskplug_vllm.worker import SCHEDULED_SPEC_ATTR, apply_scatter
 from vllm.v1.core.sched.output import CachedRequestData, GrammarOutput, SchedulerOutput
 
@@ -34,6 +35,7 @@ from maskplug import (
     PluginError,
     StepOutcome,
     StepView,
+    allocate_step,
     get_registry,
     hookimpl,
     reference,
@@ -377,3 +379,79 @@ def test_scheduler_without_the_adapter_warns_and_changes_nothing(monkeypatch: py
     with pytest.warns(RuntimeWarning, match="MASKPLUG_VLLM_SCHEDULER is set but MASKPLUG_VLLM is not"):
         maskplug_vllm.register()
     assert not maskplug_vllm.installed() and not maskplug_vllm.adaptive_installed()
+
+
+class BeliefBudget(FixedBudget):
+    """A preset budget, with per-position beliefs the split must follow."""
+
+    def __init__(self, budget: int, rng: np.random.Generator) -> None:
+        super().__init__(budget)
+        self.rng = rng
+
+    def beliefs(self, step: StepView) -> np.ndarray:
+        k = int(step.layout.num_drafts.max())
+        return self.rng.random((step.layout.n, k))
+
+
+def test_full_and_zero_budget_splits_equal_allocate_step() -> None:
+    # At budget 0 and at every draft the split is not computed: it must be what allocate_step gives.
+    rng = np.random.default_rng(7)
+    seen = 0
+    for _ in range(200):
+        so, ids, nd, _ = _step(rng)
+        total = int(nd.sum())
+        if total == 0:
+            continue
+        gids = [r for r in ids if rng.random() < 0.6]
+        g = len(gids)
+        go = GrammarOutput(gids, np.full((g + sum(int(x) for x in nd), 16), -1, dtype=np.int32), None)
+        gidx = [ids.index(r) for r in gids]
+        dm = DraftMasks(
+            request=np.arange(g, dtype=np.int64),
+            acceptable=np.asarray([int(rng.integers(0, nd[i] + 1)) for i in gidx], dtype=np.int64),
+            forced=rng.random((g, 6)) < 0.3,
+        )
+        setattr(go, adaptive._DRAFT_MASKS_ON_OUTPUT, dm)
+        setattr(so, adaptive._GRAMMAR_ATTR, go)
+        for b in (0, total):
+            sched = BeliefBudget(b, np.random.default_rng(seen))
+            ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
+            trimmed, plan = ctl.plan(RUNNER, so)
+            view = sched.views[-1]
+            conf = torch.from_numpy(BeliefBudget(b, np.random.default_rng(seen)).beliefs(view))
+            expect = allocate_step(view, conf, b).numpy()
+            assert plan.capacity.dtype == np.int64
+            assert plan.capacity.tolist() == expect.tolist()
+            assert plan.regime == regime_of(plan.layout, b)
+            assert (trimmed is so) == (b == total)
+            seen += 1
+    assert seen > 100
+
+
+def test_apply_scatter_reuses_rows_of_a_repeated_step_correctly() -> None:
+    # The same scheduled step applied again (its row mapping reused) with other kept drafts and logits.
+    rng = np.random.default_rng(11)
+    vocab = 64
+    for _ in range(30):
+        so, ids, ndv, _ = _step(rng)
+        nd = dict(zip(ids, ndv.tolist(), strict=True))
+        gids = [r for r in rng.permutation(ids).tolist() if rng.random() < 0.7]
+        batch = rng.permutation(ids).tolist()
+        rows = sum(1 + nd[g] for g in gids)
+        for _ in range(4):
+            cap = {r: int(rng.integers(0, nd[r] + 1)) for r in ids}
+            bitmask = rng.integers(-(2**31), 2**31, size=(rows, vocab // 32), dtype=np.int64).astype(np.int32)
+            kept = {r: so.scheduled_spec_decode_tokens[r][: cap[r]] for r in ids if cap[r]}
+            trimmed = dataclasses.replace(so, scheduled_spec_decode_tokens=kept)
+            setattr(trimmed, SCHEDULED_SPEC_ATTR, so.scheduled_spec_decode_tokens)
+            n_rows = sum(1 + cap[r] for r in batch)
+            logits = torch.from_numpy(rng.standard_normal((n_rows, vocab)).astype(np.float32))
+            expect = _oracle(logits, bitmask, batch, gids, nd, cap)
+            apply_scatter(trimmed, GrammarOutput(gids, bitmask), SimpleNamespace(req_ids=batch), logits)
+            assert torch.equal(logits, expect)
+            fresh = step_rows(batch, gids, draft_counts(batch, so.scheduled_spec_decode_tokens), 1)
+            cached = worker._scheduled_rows(batch, gids, so.scheduled_spec_decode_tokens)
+            assert np.array_equal(cached.mapping.request, fresh.mapping.request)
+            assert np.array_equal(cached.mapping.position, fresh.mapping.position)
+            assert np.array_equal(cached.layout.cu_scheduled, fresh.layout.cu_scheduled)
+            assert cached.num_batch == fresh.num_batch
