@@ -17,6 +17,47 @@ from typing import Any
 
 __all__ = ["build_parser", "main"]
 
+_SEED_LIMIT = 2**32  # numpy's generators take seeds below this
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (exit status 2), as the other commands report them."""
+
+    def error(self, message: str) -> Any:  # argparse's own signature returns NoReturn
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_at_least(low: int, high: int | None = None) -> Any:
+    """An argparse ``type``: a whole number in ``[low, high)``, refused by name otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low or (high is not None and value >= high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high})"
+            raise argparse.ArgumentTypeError(f"expected a whole number {bound}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _device(text: str) -> str:
+    """An argparse ``type``: a torch device this machine has."""
+    import torch
+
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected a torch device such as cpu or cuda:0, got {text!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device is available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or a cuda device, got {text!r}")
+    return text
+
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import get_registry
@@ -182,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``maskplug`` command."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="maskplug",
         description="Structured outputs with adaptive speculative verification, for any inference engine.",
     )
@@ -194,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plugins)
 
     p = sub.add_parser("backends", help="list kernel backends and whether they can run here")
-    p.add_argument("--device", default=None, help="device to check (default: cpu, and cuda when present)")
+    p.add_argument("--device", type=_device, default=None, help="device to check (default: cpu, and cuda when present)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_backends)
 
@@ -206,9 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
         "report throughput, budget regimes, goodput and output validity. Exit status 1 when any output is "
         "invalid or any invariant check failed.",
     )
-    p.add_argument("--steps", type=int, default=None, help="engine steps per scheduler (default 60)")
-    p.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default 16)")
-    p.add_argument("--drafts", type=int, default=None, help="drafts per decoding request and step (default 4)")
+    p.add_argument("--steps", type=_int_at_least(1), default=None, help="engine steps per scheduler (default 60)")
+    p.add_argument("--concurrency", type=_int_at_least(1), default=None, help="concurrent requests (default 16)")
+    p.add_argument(
+        "--drafts", type=_int_at_least(0), default=None, help="drafts per decoding request and step (default 4)"
+    )
     p.add_argument("--provider", default="xgrammar", help="grammar provider (default xgrammar)")
     p.add_argument("--backend", default="auto", help="kernel backend (default auto)")
     p.add_argument(
@@ -217,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler(s) to run, repeatable or comma-separated; grammar-aware:INNER wraps INNER "
         "(default: no-spec, verify-all, dspark, grammar-aware:dspark, goodput)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the requests, drafter and target (default 0)")
+    p.add_argument(
+        "--seed",
+        type=_int_at_least(0, _SEED_LIMIT),
+        default=0,
+        help="seed of the requests, drafter and target (default 0)",
+    )
     p.add_argument("--tokenizer", choices=("tekken", "spm"), default="tekken", help="vocabulary (default tekken)")
     p.add_argument(
         "--schemas",
@@ -225,9 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder of JSON schemas (default: the schemas shipped with maskplug, or $MASKPLUG_SCHEMAS)",
     )
     p.add_argument(
-        "--max-batch-tokens", type=int, default=None, help="engine tokens per step, 0 = no limit (default 192)"
+        "--max-batch-tokens",
+        type=_int_at_least(0),
+        default=None,
+        help="engine tokens per step, 0 = no limit (default 192)",
     )
-    p.add_argument("--squeeze-every", type=int, default=0, help="every N-th step has room for bonus rows only")
+    p.add_argument(
+        "--squeeze-every", type=_int_at_least(0), default=0, help="every N-th step has room for bonus rows only"
+    )
     p.add_argument(
         "--tree",
         action="store_true",
@@ -235,9 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the budget over tree nodes, the same cost model and token limit); tree rows verify greedily, also the "
         "requests that chain rows verify by rejection sampling",
     )
-    p.add_argument("--tree-branch", type=int, default=2, help="tree drafter: candidates per node, top-k (default 2)")
-    p.add_argument("--tree-depth", type=int, default=None, help="tree drafter: levels (default: --drafts)")
-    p.add_argument("--tree-width", type=int, default=4, help="tree drafter: nodes kept per level (default 4)")
+    p.add_argument(
+        "--tree-branch", type=_int_at_least(1), default=2, help="tree drafter: candidates per node, top-k (default 2)"
+    )
+    p.add_argument("--tree-depth", type=_int_at_least(1), default=None, help="tree drafter: levels (default: --drafts)")
+    p.add_argument(
+        "--tree-width", type=_int_at_least(1), default=4, help="tree drafter: nodes kept per level (default 4)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (fields: docs/design.md, section 9)")
     p.add_argument(
         "--no-timing",
@@ -245,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --json: report host_us_per_step as null, so the same seed gives byte-identical output",
     )
     p.add_argument("--plot", metavar="FILE.png", help="also sweep concurrency 1/8/64/256 and draw a PNG")
-    p.add_argument("--sweep-steps", type=int, default=20, help="steps per scheduler and level of the sweep")
+    p.add_argument(
+        "--sweep-steps", type=_int_at_least(1), default=20, help="steps per scheduler and level of the sweep"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.add_argument(
         "--no-overlap",
@@ -256,8 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("selftest", help="check every kernel backend and grammar provider against the reference")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random cases")
-    p.add_argument("--cases", type=int, default=40, help="random cases per check")
+    p.add_argument("--seed", type=_int_at_least(0, _SEED_LIMIT), default=0, help="seed of the random cases")
+    p.add_argument("--cases", type=_int_at_least(1), default=40, help="random cases per check")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_selftest)
@@ -273,7 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``maskplug`` and ``python -m maskplug``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2), --help and --version (0): a status, like every command
+        return exc.code if isinstance(exc.code, int) else 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
