@@ -149,6 +149,7 @@ class PathReport:
         for k in ("verdicts", "compile_s", "errors"):
             d.pop(k)
         d["compile_errors"] = len(self.errors)
+        d["compile_errors_past_limit"] = sum("within its limit" in e for e in self.errors.values())
         d["compile_p50_s"] = self.p(50)
         d["compile_p99_s"] = self.p(99)
         d["mask_us_per_token"] = 1e6 * self.mask_s / self.mask_tokens if self.mask_tokens else float("nan")
@@ -449,7 +450,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = ap.parse_args(argv)
-    cases = load_cases(a.data, a.limit)
+    try:
+        cases = load_cases(a.data, a.limit)
+    except GrammarError as exc:
+        print(f"maskplug conformance: error: {exc}", file=sys.stderr)
+        return 2
     opts = {"strict_keys": a.strict_keys == "true", "unsupported": a.unsupported, "whitespace": a.whitespace}
 
     def say(msg: str) -> None:
