@@ -219,6 +219,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(quick=args.quick, as_json=args.json, progress=not args.no_progress)
 
 
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance import main as conformance_main
+
+    argv: list[str] = []
+    for name in args.provider or ():
+        argv += ["--provider", name]
+    for flag, value in (("--data", args.data), ("--limit", args.limit), ("--limit-s", args.limit_s)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--strict-keys", args.strict_keys, "--unsupported", args.unsupported, "--whitespace", args.whitespace]
+    argv += ["--json"] * args.json + ["--no-engine"] * args.no_engine
+    return conformance_main(argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``maskplug`` command."""
     from . import __version__
@@ -326,6 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser(
+        "conformance", help="grammar providers on real JSON schemas, through maskplug and each engine directly"
+    )
+    p.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
+    p.add_argument("--data", help="JSON-lines schemas with tests (default: the JSONSchemaBench sample)")
+    p.add_argument("--limit", type=_int_at_least(1), help="only the first N schemas")
+    p.add_argument("--limit-s", type=float, help="compile limit in seconds (default: the providers')")
+    p.add_argument("--strict-keys", choices=("true", "false"), default="true")
+    p.add_argument("--unsupported", choices=("ignore", "refuse"), default="ignore")
+    p.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible")
+    p.add_argument("--no-engine", action="store_true", help="skip driving the engines directly")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_conformance)
     return parser
 
 

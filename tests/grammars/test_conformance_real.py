@@ -243,3 +243,14 @@ def test_conformance_command_prints_the_table(capsys: pytest.CaptureFixture[str]
     data = json.loads(capsys.readouterr().out)
     (row,) = data["reports"]
     assert row["provider"] == "llguidance" and row["schemas"] == 2 and row["compiled"] == 2
+
+
+def test_maskplug_conformance_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.cli import main
+
+    args = ["conformance", "--provider", "llguidance", "--data", str(DATA), "--limit", "2", "--json", "--no-engine"]
+    assert main(args) == 0
+    (row,) = json.loads(capsys.readouterr().out)["reports"]
+    assert row["provider"] == "llguidance" and row["path"] == "maskplug" and row["compiled"] == 2
+    assert main(["conformance", "--data", str(DATA.parent / "missing.jsonl")]) == 2
+    assert "data: could not read" in capsys.readouterr().err
