@@ -250,7 +250,7 @@ class _LLGuidanceEngine(_Engine):
         specials = {vocab.tokens[i].decode("utf-8"): i for i in range(off)}
         self.LLMatcher = LLMatcher
         self.eos = vocab.eos_ids[0]
-        self.tok = LLTokenizer.from_tiktoken(
+        self.tok = LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]
             encoder=ranks, special_tokens=specials, pattern=enc._pat_str, eos_token=self.eos, n_vocab=vocab.vocab_size
         )
         self.words = (vocab.vocab_size + 31) // 32
@@ -344,8 +344,8 @@ def run(
                 cp = grammar_provider(cand, v)
                 if compile_limit_s is not None and hasattr(cp, "compile_limit_s"):
                     cp.compile_limit_s = compile_limit_s
-                cp.cache.clear()  # auto's compile times are its own, not earlier providers' cache hits
-            prov.cache.clear()
+                getattr(cp, "cache", {}).clear()  # auto's compile times are its own, not earlier cache hits
+            getattr(prov, "cache", {}).clear()
         mine = PathReport(name, "maskplug")
         eng = engine_path(name, v) if engine else None
         theirs = PathReport(name, "engine") if eng is not None else None
