@@ -9,6 +9,12 @@ ran past its compile limit) is passed over with its reason. When every
 provider that compiles the spec leaves something unenforced, the one leaving
 out the fewest constraints serves it, and its warnings stay on the grammar.
 
+The compile limit holds for auto as a whole: ``compile_limit_s`` (default
+:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`, or the spec's own)
+bounds all attempts together; each candidate gets what is left (or its own
+limit, when smaller), and when nothing is left the candidates not yet tried are
+passed over.
+
 The choice is reported: the grammar gets ``served_by`` (the provider's name)
 and ``why`` (a sentence), :meth:`AutoProvider.explain` returns the
 :class:`AutoChoice` for a spec, and each choice is logged at INFO on the
@@ -19,11 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import GrammarError
 from .bases import ProviderBase
+from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
 
 __all__ = ["PREFERENCE", "AutoChoice", "AutoProvider"]
@@ -50,8 +58,15 @@ class AutoProvider(ProviderBase[Any]):
     name = "auto"
     kinds = frozenset(SPEC_KINDS)
 
-    def __init__(self, vocab: Vocab, candidates: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        vocab: Vocab,
+        candidates: list[str] | None = None,
+        compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
+    ) -> None:
         super().__init__(vocab)
+        #: Seconds all attempts at one spec may take together (None: each candidate's own limit only).
+        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
         from .registry import grammar_providers
 
         names = [n for n in grammar_providers() if n != self.name]
@@ -81,16 +96,32 @@ class AutoProvider(ProviderBase[Any]):
     def _compile(self, spec: GrammarSpec) -> Any:
         tried: list[tuple[str, str]] = []
         fallback: tuple[int, str, Any] | None = None
+        budget = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        spent = 0.0
         for name in self.candidates:
             prov = self.provider(name)
             if not prov.supports(spec.kind):
                 tried.append((name, f"does not support {spec.kind}"))
                 continue
+            attempt = spec
+            if budget is not None:
+                left = budget - spent
+                if left <= 0:
+                    tried.append((name, f"not tried: auto's compile limit of {budget:g} s was spent"))
+                    continue
+                own = getattr(prov, "compile_limit_s", None)
+                attempt = replace(spec, compile_limit_s=left if own is None else min(own, left))
+                worker = getattr(prov, "worker", None)
+                if worker is not None and worker.pid is None and attempt not in prov.cache:
+                    worker.start()  # a worker's start-up is not a request's time
+            t0 = time.monotonic()
             try:
-                grammar = prov.compile(spec)
+                grammar = prov.compile(attempt)
             except GrammarError as exc:
+                spent += time.monotonic() - t0
                 tried.append((name, f"GrammarError: {exc}"))
                 continue
+            spent += time.monotonic() - t0
             warns = list(getattr(grammar, "warnings", []) or [])
             if not warns:
                 tried.append((name, "enforces every keyword"))

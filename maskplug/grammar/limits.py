@@ -208,6 +208,12 @@ class CompileWorker:
         with self._lock:
             self._shutdown()
 
+    def kill(self) -> None:
+        """Kill the worker process now, from any thread (a compile in progress fails with GrammarError)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
     def start(self) -> None:
         """Start the worker now (otherwise the first compile does, outside its limit)."""
         with self._lock:

@@ -107,3 +107,35 @@ def test_auto_goal_on_the_subset() -> None:
     assert auto.valid_accepted >= max(by["xgrammar"].valid_accepted, by["llguidance"].valid_accepted)
     assert auto.invalid_accepted <= by["xgrammar"].invalid_accepted
     assert sum(auto.summary()["served_by"].values()) == auto.compiled
+
+
+def test_the_compile_limit_holds_for_auto_as_a_whole() -> None:
+    """All attempts together stay within auto's limit; candidates left when it is spent are not tried."""
+    import time
+
+    v = mistral_tekken()
+    a = AutoProvider(v, candidates=["outlines-core", "llguidance"], compile_limit_s=0.3)
+    # Building outlines-core's automaton for this schema over tekken's 131k tokens takes seconds.
+    spec = GrammarSpec(
+        "json_schema",
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 40},
+                "tags": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,12}"}, "maxItems": 6},
+                "id": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{6}"},
+                "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+            },
+            "required": ["name", "id"],
+        },
+    )
+    for name in a.candidates:
+        a.provider(name).cache.clear()
+        a.provider(name).worker.start()  # start-up is not a request's time
+    began = time.monotonic()
+    with pytest.raises(GrammarError, match="was spent"):
+        a.compile(spec)
+    assert time.monotonic() - began < 0.3 + 2.0
+    assert a.explain(spec) is None
+    b = AutoProvider(v, candidates=["llguidance", "outlines-core"], compile_limit_s=30.0)
+    assert b.compile(spec).served_by == "llguidance"
