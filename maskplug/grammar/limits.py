@@ -170,6 +170,8 @@ class CompileWorker:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
+                # The caller's import path, so the worker finds the same maskplug and provider modules.
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             )
         finally:
             os.close(down_r)
