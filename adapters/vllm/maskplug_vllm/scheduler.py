@@ -61,6 +61,18 @@ def fill_step_bitmask(
     return fill_step_rows(bitmask, grammars, grammar_req_ids, spec_tokens)[0]
 
 
+#: Below this many grammar requests the rows are produced request by request on the calling
+#: thread (``strategy="serial"``); from it on, the providers' chain and batch operations are used
+#: (``"auto"``). Every strategy writes the same rows: with a few requests the per-call setup of
+#: the batched operations costs more than it saves (on vLLM's CPU engine, about half of the
+#: producer's time at one request).
+SERIAL_BELOW = 32
+
+
+def _strategy(num_grammar: int) -> str:
+    return "serial" if num_grammar < SERIAL_BELOW else "auto"
+
+
 def fill_step_rows(
     bitmask: torch.Tensor,
     grammars: list[Any],
@@ -86,7 +98,9 @@ def fill_step_rows(
     total = int(nd.sum()) + g
     pad = flat < 0
     if not pad.any():
-        dm = fill_draft_masks(matchers, flat, bitmask, rows, ScheduledLayout(grammar_req_ids, nd, ones))
+        dm = fill_draft_masks(
+            matchers, flat, bitmask, rows, ScheduledLayout(grammar_req_ids, nd, ones), strategy=_strategy(g)
+        )
         return total, dm
     owner = np.repeat(np.arange(g), nd)
     pos = np.arange(flat.shape[0]) - _cu(nd)[owner]
@@ -94,7 +108,9 @@ def fill_step_rows(
     np.minimum.at(cut, owner[pad], pos[pad])
     keep = pos < cut[owner]
     scratch = torch.empty((int(cut.sum()) + g, bitmask.shape[1]), dtype=torch.int32)
-    dm = fill_draft_masks(matchers, flat[keep], scratch, rows, ScheduledLayout(grammar_req_ids, cut, ones))
+    dm = fill_draft_masks(
+        matchers, flat[keep], scratch, rows, ScheduledLayout(grammar_req_ids, cut, ones), strategy=_strategy(g)
+    )
     # Move the cut windows' rows to their places in the full windows; the rest stay open.
     src_owner = np.repeat(np.arange(g), cut + 1)
     dest = _cu(nd + 1)[src_owner] + np.arange(scratch.shape[0]) - _cu(cut + 1)[src_owner]
