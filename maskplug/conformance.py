@@ -337,20 +337,17 @@ def run(
     reports: list[PathReport] = []
     for name in providers:
         prov = grammar_provider(name, v)
-        if compile_limit_s is not None and hasattr(prov, "compile_limit_s"):
-            prov.compile_limit_s = compile_limit_s
         if name == "auto":
             for cand in getattr(prov, "candidates", []):
                 cp = grammar_provider(cand, v)
-                if compile_limit_s is not None and hasattr(cp, "compile_limit_s"):
-                    cp.compile_limit_s = compile_limit_s
                 getattr(cp, "cache", {}).clear()  # auto's compile times are its own, not earlier cache hits
             getattr(prov, "cache", {}).clear()
         mine = PathReport(name, "maskplug")
         eng = engine_path(name, v) if engine else None
         theirs = PathReport(name, "engine") if eng is not None else None
         for k, case in enumerate(cases):
-            spec = GrammarSpec("json_schema", case.schema, **opts)
+            # The limit travels with each call: the shared provider instances keep their own.
+            spec = GrammarSpec("json_schema", case.schema, compile_limit_s=compile_limit_s, **opts)
             mine.schemas += 1
             t0 = time.perf_counter()
             try:

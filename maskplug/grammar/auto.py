@@ -109,7 +109,9 @@ class AutoProvider(ProviderBase[Any]):
                 if left <= 0:
                     tried.append((name, f"not tried: auto's compile limit of {budget:g} s was spent"))
                     continue
-                own = getattr(prov, "compile_limit_s", None)
+                # A call's own limit is what this compile may take in all; without
+                # one, each candidate also keeps its provider's limit.
+                own = getattr(prov, "compile_limit_s", None) if spec.compile_limit_s is None else None
                 attempt = replace(spec, compile_limit_s=left if own is None else min(own, left))
                 worker = getattr(prov, "worker", None)
                 if worker is not None and worker.pid is None and attempt not in prov.cache:
