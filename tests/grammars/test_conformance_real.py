@@ -225,13 +225,14 @@ def test_a_compile_stopped_at_its_limit_is_an_error_on_both_paths() -> None:
     from maskplug.conformance import run
 
     cases = _small_cases(1)
-    grammar_provider("outlines-core", mistral_sentencepiece()).cache.clear()  # compile it afresh, under the limit
+    shared: Any = grammar_provider("outlines-core", mistral_sentencepiece())  # an OutlinesProvider
+    shared.cache.clear()  # compile it afresh, under the limit
     mine, theirs = run(["outlines-core"], cases, mistral_sentencepiece(), compile_limit_s=0.001)
     assert list(mine.errors) == [cases[0].id] and "limit" in mine.errors[cases[0].id]
     assert list(theirs.errors) == [cases[0].id]
     assert mine.verdicts == {} and theirs.verdicts == {}
     # The limit was the calls' own: the shared provider keeps its default.
-    assert grammar_provider("outlines-core", mistral_sentencepiece()).compile_limit_s == DEFAULT_COMPILE_LIMIT_S
+    assert shared.compile_limit_s == DEFAULT_COMPILE_LIMIT_S
 
 
 def test_conformance_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_falls_back_on_the_compile_time_limit() -> None:
     v = mistral_sentencepiece()
     a = AutoProvider(v, candidates=["outlines-core", "llguidance"])
     spec = GrammarSpec("json_schema", {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30}}})
-    slow = grammar_provider("outlines-core", v)
+    slow: Any = grammar_provider("outlines-core", v)  # the outlines-core provider, with its compile_limit_s
     before = slow.compile_limit_s
     slow.compile_limit_s = 0.001  # this provider's limit; llguidance keeps its own
     try:

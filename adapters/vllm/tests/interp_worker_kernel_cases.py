@@ -269,7 +269,7 @@ def test_pinned_partial_step(mode: str) -> None:
     ids, nd, active = ["a", "b"], np.array([3, 2]), np.array([1, 0])
     stride = MAX_DRAFTS + 1
     need = {"a": 4, "b": 3}
-    cols = {"ragged": [], "fixed": []}
+    cols: dict[str, list[int]] = {"ragged": [], "fixed": []}
     for g in ["b", "a"]:  # producer order differs from batch order
         cols["ragged"] += [10 * (g == "a") + p for p in range(need[g])]
         cols["fixed"] += [10 * (g == "a") + p if p < need[g] else 31 for p in range(stride)]

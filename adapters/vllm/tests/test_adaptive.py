@@ -74,7 +74,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("adaptive")
     model = tiny_model.build(folder / "model")
     on = {"MASKPLUG_VLLM": "1"}
-    runs = {
+    runs: dict[str, Any] = {
         "plain": _run(model, folder / "plain.json", on, "--spec", "0", "--logprobs"),
         "vllm": _run(model, folder / "vllm.json", {}, "--spec", "0"),
     }

@@ -187,7 +187,7 @@ def test_finish_reports_the_outcome_counts_and_fires_the_hook() -> None:
             )
             _, plan = ctl.plan(RUNNER, so)
             order = list(rng.permutation(len(ids)))
-            sampled = [[] for _ in ids]
+            sampled: list[list[int]] = [[] for _ in ids]
             acc = np.zeros(len(ids), dtype=np.int64)
             for i in range(len(ids)):
                 acc[i] = int(rng.integers(0, plan.capacity[i] + 1))

@@ -299,7 +299,7 @@ def _curves(rng: np.random.Generator, max_reqs: int, max_tokens: int) -> tuple[l
     dx = np.unique(np.concatenate([[1], rng.integers(1, max_reqs + 1, size=int(rng.integers(1, 6)))]))
     vx = np.unique(np.concatenate([[1], rng.integers(1, max_tokens + 1, size=int(rng.integers(1, 8)))]))
     dy = np.sort(rng.uniform(0.2, 3.0, size=dx.shape[0]))
-    vy = rng.uniform(1.0, 20.0, size=vx.shape[0])  # not monotone: both make it so
+    vy = np.asarray(rng.uniform(1.0, 20.0, size=vx.shape[0]))  # not monotone: both make it so
     return list(zip(dx.tolist(), dy.tolist(), strict=True)), list(zip(vx.tolist(), vy.tolist(), strict=True))
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ from maskplug import GrammarRows, ScheduledLayout, reference
 MAX_DRAFTS = 5
 
 
-def vllm_cpu_apply() -> object:
+def vllm_cpu_apply() -> Any:
     """vLLM's own CPU mask path, whether or not the adapter's patches are installed."""
     return patches.original(so_utils, "apply_grammar_bitmask")
 
@@ -156,7 +157,7 @@ def _random_step(rng: np.random.Generator, budget: str) -> TrimmedStep:
     scheduled = {r: rng.integers(0, 100, size=int(rng.integers(0, MAX_DRAFTS + 1))).tolist() for r in ids}
     scheduled = {r: d for r, d in scheduled.items() if d}
     if budget == "zero":
-        kept = {r: [] for r in scheduled}
+        kept: dict[str, list[int]] = {r: [] for r in scheduled}
     else:
         kept = {r: d[: int(rng.integers(0, len(d) + 1))] for r, d in scheduled.items()}
     gids = [ids[i] for i in rng.permutation(n)[: int(rng.integers(1, n + 1))]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 from maskplug.data import schema_dir
 
@@ -29,7 +30,7 @@ def schema_paths() -> list[Path]:
 
 def _corpus(seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    words = set()
+    words: set[str] = set()
     for p in schema_paths():
         text = p.read_text()
         words.update(w for w in json.dumps(json.loads(text)).replace('"', " ").split() if w.isascii())
@@ -98,7 +99,7 @@ def build(folder: Path, specials: tuple[str, ...] = ("</s>",)) -> Path:
     return folder
 
 
-def load_tokenizer(folder: Path) -> object:
+def load_tokenizer(folder: Path) -> Any:
     """The model's tokenizer as vLLM's structured-output code sees it (a Hugging Face fast tokenizer)."""
     from transformers import PreTrainedTokenizerFast
 
