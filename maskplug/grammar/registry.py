@@ -34,6 +34,8 @@ def grammar_provider(name: str, vocab: Vocab) -> GrammarProvider:
     """The provider ``name`` bound to ``vocab`` (one instance per vocabulary, so its compile cache is shared)."""
     if not isinstance(vocab, Vocab):
         raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
+    if not isinstance(name, str):
+        raise GrammarError(f"name: expected a provider name (str), got {type(name).__name__}")
     factories = dict(get_registry().grammar_providers)
     if AUTO not in factories:
         from .auto import AutoProvider

@@ -110,6 +110,14 @@ class GrammarSpec:
             isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0
         ):
             raise GrammarError(f"compile_limit_s: expected a number of seconds > 0 or None, got {lim!r}")
+        if self.kind == "json_schema" and isinstance(self.source, (dict, list, tuple, str)):
+            src = self.source
+            depth = _text_nesting_depth(src) if isinstance(src, str) else _nesting_depth(src, MAX_SCHEMA_DEPTH)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise GrammarError(
+                    f"source: expected a JSON schema nested at most {MAX_SCHEMA_DEPTH} levels deep, "
+                    f"got more than {MAX_SCHEMA_DEPTH}"
+                )
 
     @property
     def options(self) -> dict[str, Any]:
@@ -185,6 +193,63 @@ def schema_keywords(schema: Any) -> set[str]:
     return found
 
 
+def _token_ids(ids: Any, name: str) -> tuple[int, ...]:
+    """Token ids as ints, refusing what is not a whole number (floats, strings, bools) by ``name``."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise GrammarError(f"{name}: expected an iterable of int token ids, got {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise GrammarError(f"{name}[{i}]: expected an int token id, got {t!r}")
+        out.append(int(t))
+    return tuple(out)
+
+
+#: How deeply a JSON schema may nest (objects and arrays); deeper ones are refused before any engine sees them.
+MAX_SCHEMA_DEPTH = 256
+
+
+def _nesting_depth(obj: Any, limit: int) -> int:
+    """The nesting depth of dicts and lists in ``obj``, counted iteratively; stops once past ``limit``."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[Any] = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > limit:
+            return deepest
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def _text_nesting_depth(text: str) -> int:
+    """The deepest ``{``/``[`` nesting of JSON text (brackets inside strings not counted)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}]":
+            depth -= 1
+    return deepest
+
+
 class Vocab:
     """A model's vocabulary, as decoded bytes per token id.
 
@@ -226,10 +291,12 @@ class Vocab:
             if not isinstance(t, (bytes, bytearray)):
                 raise GrammarError(f"tokens[{i}]: expected bytes, got {type(t).__name__}")
         self.tokens: list[bytes] = [bytes(t) for t in toks]
-        self.eos_ids: tuple[int, ...] = tuple(int(e) for e in eos_ids)
+        self.eos_ids: tuple[int, ...] = _token_ids(eos_ids, "eos_ids")
         if not self.eos_ids:
             raise GrammarError("eos_ids: expected at least one stop token, got none")
-        self.special_ids: frozenset[int] = frozenset(int(s) for s in special_ids) | frozenset(self.eos_ids)
+        self.special_ids: frozenset[int] = frozenset(_token_ids(special_ids, "special_ids")) | frozenset(self.eos_ids)
+        if vocab_size is not None and (isinstance(vocab_size, bool) or not hasattr(vocab_size, "__index__")):
+            raise GrammarError(f"vocab_size: expected an int, got {vocab_size!r}")
         size = len(self.tokens) if vocab_size is None else int(vocab_size)
         if size < len(self.tokens):
             raise GrammarError(f"vocab_size: expected >= len(tokens) = {len(self.tokens)}, got {size}")
