@@ -83,19 +83,20 @@ class Case:
     tests: list[tuple[bool, Any]]
 
 
+#: The JSONSchemaBench subset shipped as package data (see ``maskplug/data/jsonschemabench-subset.md``).
+SUBSET_PATH = Path(__file__).resolve().parent / "data" / "jsonschemabench-subset.jsonl"
+
+
 def default_data_path() -> Path:
-    """``$MASKPLUG_JSONSCHEMABENCH``, else the shared sample next to the checkout, else the bundled test subset."""
+    """``$MASKPLUG_JSONSCHEMABENCH``, else the subset shipped with maskplug (44 schemas, 112 instances).
+
+    Nothing outside the installation is read unless asked for: the full sample
+    is ``--data FILE`` (or the variable).
+    """
     env = os.environ.get(DATA_ENV)
     if env:
         return Path(env)
-    root = Path(__file__).resolve().parent.parent
-    for p in (
-        root.parent / "shared" / "jsonschemabench" / "maskbench-sample.jsonl",
-        root / "tests" / "grammars" / "data" / "jsonschemabench-subset.jsonl",
-    ):
-        if p.is_file():
-            return p
-    raise GrammarError(f"data: no JSONSchemaBench file found; pass --data FILE or set {DATA_ENV}")
+    return SUBSET_PATH
 
 
 def load_cases(path: str | os.PathLike[str] | None = None, limit: int | None = None) -> list[Case]:

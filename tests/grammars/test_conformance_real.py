@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
 from maskplug.grammar import GrammarSpec, Vocab, grammar_provider
 from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S
@@ -24,7 +25,7 @@ from maskplug.grammar.vocabs import (
     mistral_tekken_encoding,
 )
 
-DATA = Path(__file__).parent / "data" / "jsonschemabench-subset.jsonl"
+DATA = SUBSET_PATH
 
 
 def cases() -> list[dict[str, Any]]:
@@ -222,11 +223,16 @@ def test_outlines_engine_walks_the_index_maskplug_built() -> None:
 
 def test_a_compile_stopped_at_its_limit_is_an_error_on_both_paths() -> None:
     """Normalisation: a schema maskplug stopped at its limit has no instances counted on either path."""
+    import dataclasses
+    import uuid
+
     from maskplug.conformance import run
 
-    cases = _small_cases(1)
+    # A description no earlier test compiled: the spec misses every cache, so it is compiled under the limit.
+    (case,) = _small_cases(1)
+    fresh = {**case.schema, "description": f"fresh {uuid.uuid4()}"} if isinstance(case.schema, dict) else case.schema
+    cases = [dataclasses.replace(case, schema=fresh)]
     shared: Any = grammar_provider("outlines-core", mistral_sentencepiece())  # an OutlinesProvider
-    shared.cache.clear()  # compile it afresh, under the limit
     mine, theirs = run(["outlines-core"], cases, mistral_sentencepiece(), compile_limit_s=0.001)
     assert list(mine.errors) == [cases[0].id] and "limit" in mine.errors[cases[0].id]
     assert list(theirs.errors) == [cases[0].id]

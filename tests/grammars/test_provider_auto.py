@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
 from maskplug.grammar import GrammarSpec, grammar_provider
 from maskplug.grammar.auto import AutoProvider
 from maskplug.grammar.vocabs import mistral_sentencepiece, mistral_tekken
 
-DATA = Path(__file__).parent / "data" / "jsonschemabench-subset.jsonl"
+DATA = SUBSET_PATH
 # xgrammar warns that it does not enforce multipleOf on numbers; llguidance enforces it.
 MULTIPLE_OF = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 3}}, "required": ["n"]}
 
