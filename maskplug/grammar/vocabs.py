@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import re
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import lru_cache
@@ -39,6 +40,7 @@ __all__ = [
     "mistral_sentencepiece",
     "mistral_tekken",
     "mistral_tekken_encoding",
+    "vocab_from_hf_tokenizer",
 ]
 
 PathLike = str | os.PathLike[str]
@@ -650,3 +652,81 @@ def mistral_tekken_encoding(name: str = "tekken_240911.json") -> Any:
     enc = tiktoken.Encoding(name=f"maskplug-{name}", pat_str=cfg["pattern"], mergeable_ranks=ranks, special_tokens={})
     enc.maskplug_offset = nspec  # type: ignore[attr-defined]
     return enc
+
+
+def _stop_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> list[int]:
+    """The model's stop tokens when given, else the tokenizer's ``eos_token_id`` (an int or a list)."""
+    if eos_token_ids is not None:
+        ids = sorted({int(e) for e in eos_token_ids})
+        if ids:
+            return ids
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        return [eos]
+    if isinstance(eos, (list, tuple)) and eos:
+        return sorted({int(e) for e in eos})
+    raise GrammarError("eos_token_ids: expected the model's stop tokens or a tokenizer with eos_token_id, got neither")
+
+
+def _fit(base: Vocab, eos_ids: list[int], vocab_size: int | None) -> Vocab:
+    """``base`` with the model's stop tokens and logits width (tokens past the width can never be produced)."""
+    size = base.vocab_size if vocab_size is None else int(vocab_size)
+    if size <= 0:
+        raise GrammarError(f"vocab_size: expected a positive logits width, got {size}")
+    tokens = base.tokens[:size]
+    bad = [e for e in eos_ids if not 0 <= e < len(tokens)]
+    if bad:
+        raise GrammarError(f"eos_token_ids: expected ids in [0, {len(tokens)}) of the tokenizer, got {bad}")
+    special = {s for s in base.special_ids if s < len(tokens)}
+    return Vocab(tokens, eos_ids, special, size, encoder=base.encoder, encoder_name=base.encoder_name)
+
+
+def vocab_from_hf_tokenizer(
+    tokenizer: Any,
+    vocab_size: int | None = None,
+    eos_token_ids: Iterable[int] | None = None,
+) -> Vocab:
+    """The :class:`Vocab` of the tokenizer an engine holds, with the model's stop tokens and logits width.
+
+    What the engine adapters use (vLLM and SGLang hand their backends a
+    Hugging Face fast tokenizer). No network access: the tokenizer is
+    serialised to its ``tokenizer.json`` text and read by
+    :func:`load_tokenizer_json`, so the vocabulary carries that tokenizer's
+    own encoder too.
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer (``backend_tokenizer.to_str()``),
+            or any object with a ready ``maskplug_vocab`` attribute.
+        vocab_size: the model's logits width; default: the tokenizer's number of ids.
+        eos_token_ids: the model's stop tokens (authoritative); default: the
+            tokenizer's ``eos_token_id``.
+
+    Raises:
+        GrammarError: the tokenizer is neither kind, or its ids do not fit.
+    """
+    given = getattr(tokenizer, "maskplug_vocab", None)
+    if isinstance(given, Vocab):
+        eos = list(given.eos_ids) if eos_token_ids is None else _stop_ids(tokenizer, eos_token_ids)
+        if (vocab_size is None or int(vocab_size) == given.vocab_size) and tuple(eos) == given.eos_ids:
+            return given
+        return _fit(given, eos, vocab_size)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    to_str = getattr(backend, "to_str", None)
+    if not callable(to_str):
+        raise GrammarError(
+            "tokenizer: expected a Hugging Face fast tokenizer (with backend_tokenizer) or an object with a "
+            f"maskplug_vocab attribute, got {type(tokenizer).__name__}"
+        )
+    eos = _stop_ids(tokenizer, eos_token_ids)
+    with tempfile.TemporaryDirectory(prefix="maskplug-vocab-") as tmp:
+        path = os.path.join(tmp, "tokenizer.json")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(to_str())
+        # The stop tokens are set from the model's ids below; the loader is
+        # told one of them by its text only to satisfy its own check.
+        texts = tokenizer.convert_ids_to_tokens(eos[:1])
+        try:
+            base = load_tokenizer_json(path, eos_tokens=texts)
+        except GrammarError:
+            base = load_tokenizer_json(path)
+    return _fit(base, eos, vocab_size)

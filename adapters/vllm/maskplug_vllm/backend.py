@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from maskplug import GrammarError, PluginError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
+from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
 __all__ = ["MaskplugBackend", "MaskplugGrammar", "provider_for", "spec_from_vllm", "vocab_from_tokenizer"]
 
@@ -47,9 +47,11 @@ def provider_for(vllm_backend: str | None) -> str:
 def vocab_from_tokenizer(tokenizer: Any, vocab_size: int) -> Vocab:
     """A maskplug :class:`Vocab` for a vLLM (Hugging Face fast) tokenizer, ``vocab_size`` wide.
 
-    The token bytes are read from the tokenizer's own ``tokenizer.json``
-    description, so they decode exactly as the model's decoder would; the
-    stop token is the tokenizer's EOS.
+    The loader both engine adapters share
+    (:func:`maskplug.grammar.vocabs.vocab_from_hf_tokenizer`): the token bytes
+    and the encoder come from the tokenizer's own ``tokenizer.json``
+    description, so they decode and encode exactly as the model's tokenizer
+    does; the stop token is the tokenizer's EOS.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "to_str"):
@@ -57,12 +59,7 @@ def vocab_from_tokenizer(tokenizer: Any, vocab_size: int) -> Vocab:
             f"tokenizer: maskplug-vllm reads the vocabulary of a Hugging Face fast tokenizer, got "
             f"{type(tokenizer).__name__}; use vLLM's own structured-output backends for this tokenizer"
         )
-    with tempfile.TemporaryDirectory(prefix="maskplug-vllm-") as tmp:
-        path = os.path.join(tmp, "tokenizer.json")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(backend.to_str())
-        eos = getattr(tokenizer, "eos_token", None)
-        return Vocab.from_tokenizer_json(path, eos_tokens=[eos] if eos else None, vocab_size=vocab_size)
+    return vocab_from_hf_tokenizer(tokenizer, vocab_size)
 
 
 def spec_from_vllm(request_type: Any, grammar_spec: str) -> GrammarSpec:
