@@ -511,6 +511,31 @@ class Simulation:
         return "valid"
 
     # -------------------------------------------------------------------- stages
+    def _tempting_tokens(
+        self, bm_np: npt.NDArray[np.int32], mrow: I64, eligible: npt.NDArray[np.bool_], rids: I64, out_pos: I64
+    ) -> I64:
+        """Per logits row, a token the target is tempted by that its mask row forbids (-1: none).
+
+        A row is tempted (seeded per request and position) when it has a mask
+        row, ``eligible`` holds and the draw falls under ``tempt_rate``; the
+        token is the first of four seeded candidates the mask disallows.
+        """
+        cfg, V = self.cfg, self.V
+        tempt = np.full(mrow.shape[0], -1, dtype=np.int64)
+        want = (mrow >= 0) & eligible & (uniform(cfg.seed, Streams.TEMPT, rids, out_pos) < cfg.tempt_rate)
+        if np.any(want):
+            w = np.nonzero(want)[0]
+            cand = self.first_token + (
+                hash64(cfg.seed, Streams.TEMPT_TOKEN, rids[w][:, None], out_pos[w][:, None], np.arange(4)[None, :])
+                % np.uint64(V - self.first_token)
+            ).astype(np.int64)
+            allowed = _bits(bm_np, np.repeat(mrow[w], 4).reshape(-1, 4), cand)
+            first_bad = np.argmax(~allowed, axis=1)
+            ok = ~allowed[np.arange(w.size), first_bad]
+            tempt[w[ok]] = cand[ok, first_bad[ok]]
+            self.result.tempted_rows += int(ok.sum())
+        return tempt
+
     def step(self, t: int) -> None:
         """Run engine step ``t``: the seven stages of the module docstring, each checked."""
         self._admit()
@@ -711,22 +736,8 @@ class Simulation:
         np.cumsum(batch.num_drafts[g_idx] + batch.layout.num_bonus, out=g_start[1:])
         mrow = np.where(g_of[row_req] >= 0, g_start[np.maximum(g_of[row_req], 0)] + row_pos, -1)
         bm_np = masks.bitmask.numpy()
-        tempt = np.full(R, -1, dtype=np.int64)
         out_pos = batch.length[row_req] + row_pos
-        want = (mrow >= 0) & prefix_ok & (uniform(cfg.seed, Streams.TEMPT, rid[row_req], out_pos) < cfg.tempt_rate)
-        if np.any(want):
-            w = np.nonzero(want)[0]
-            cand = self.first_token + (
-                hash64(
-                    cfg.seed, Streams.TEMPT_TOKEN, rid[row_req[w]][:, None], out_pos[w][:, None], np.arange(4)[None, :]
-                )
-                % np.uint64(V - self.first_token)
-            ).astype(np.int64)
-            allowed = _bits(bm_np, np.repeat(mrow[w], 4).reshape(-1, 4), cand)
-            first_bad = np.argmax(~allowed, axis=1)
-            ok = ~allowed[np.arange(w.size), first_bad]
-            tempt[w[ok]] = cand[ok, first_bad[ok]]
-            self.result.tempted_rows += int(ok.sum())
+        tempt = self._tempting_tokens(bm_np, mrow, prefix_ok, rid[row_req], out_pos)
         logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
 
         # Keep a few masked rows' raw values to check the kernel column by column.

@@ -58,7 +58,7 @@ from ..layout import GrammarRows, RowMapping, ScheduledLayout
 from ..trees import DraftTree, TreeCompaction, TreeMasks, allocate_tree, choose_tree_budget, compact_tree
 from ..trees import select_subtree as host_select_subtree
 from .engine import RunResult, SimConfig, Simulation, Workload, _bits, _row_allowed
-from .models import Streams, TargetModel, hash64, uniform
+from .models import TargetModel, hash64
 from .tree_drafter import TreeConfig, TreeDrafts, draft_trees
 
 __all__ = ["TREE_INNER", "TREE_PREFIX", "TREE_SCHEDULERS", "TreeSimulation", "is_tree_scheduler"]
@@ -336,21 +336,7 @@ class TreeSimulation(Simulation):
         gr = g_of[row_req]
         mrow = np.where(gr >= 0, masks.g_start[np.maximum(gr, 0)] + node + 1, -1)
         bm_np = masks.bitmask.numpy()
-        tempt = np.full(R, -1, dtype=np.int64)
-        want = (mrow >= 0) & on_ref & (uniform(cfg.seed, Streams.TEMPT, rid[row_req], out_pos) < cfg.tempt_rate)
-        if np.any(want):
-            w = np.nonzero(want)[0]
-            cand = self.first_token + (
-                hash64(
-                    cfg.seed, Streams.TEMPT_TOKEN, rid[row_req[w]][:, None], out_pos[w][:, None], np.arange(4)[None, :]
-                )
-                % np.uint64(V - self.first_token)
-            ).astype(np.int64)
-            allowed = _bits(bm_np, np.repeat(mrow[w], 4).reshape(-1, 4), cand)
-            first_bad = np.argmax(~allowed, axis=1)
-            ok = ~allowed[np.arange(w.size), first_bad]
-            tempt[w[ok]] = cand[ok, first_bad[ok]]
-            self.result.tempted_rows += int(ok.sum())
+        tempt = self._tempting_tokens(bm_np, mrow, on_ref, rid[row_req], out_pos)
         logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
 
         check = np.nonzero(mrow >= 0)[0]
