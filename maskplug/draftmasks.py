@@ -16,7 +16,7 @@ import torch
 from .errors import BudgetError
 from .layout import ScheduledLayout
 
-__all__ = ["DraftMasks", "check_draft_masks"]
+__all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field"]
 
 
 @dataclass(frozen=True)
@@ -37,14 +37,16 @@ class DraftMasks:
     forced: npt.NDArray[np.bool_]
 
 
-def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+def frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A read-only view of ``a`` (what checked grammar information hands out)."""
     v = a.view()
     v.flags.writeable = False
     return v
 
 
-def _field(name: str, value: Any, kinds: str, what: str) -> npt.NDArray[Any]:
-    """A field of a :class:`DraftMasks` as a host numpy array of one of ``kinds`` (numpy dtype kinds)."""
+def host_field(name: str, value: Any, kinds: str, what: str) -> npt.NDArray[Any]:
+    """A field of grammar information (:class:`DraftMasks`, tree masks) as a host numpy array of one of
+    ``kinds`` (numpy dtype kinds); a :class:`~maskplug.errors.BudgetError` naming ``name`` otherwise."""
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise BudgetError(f"{name}: expected host values, got a tensor on {value.device}")
@@ -71,7 +73,7 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
     """
     if not isinstance(grammar, DraftMasks):
         raise BudgetError(f"{arg}: expected DraftMasks or None, got {type(grammar).__name__}")
-    req = _field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
+    req = host_field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
     if req.ndim != 1:
         raise BudgetError(f"{arg}.request: expected a 1-D array of batch indices, got shape {req.shape}")
     req = req.astype(np.int64, copy=False)
@@ -82,7 +84,7 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
     if g > 1 and np.unique(req).size != g:
         s = np.sort(req)
         raise BudgetError(f"{arg}.request: expected unique batch indices, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
-    acc = _field(f"{arg}.acceptable", grammar.acceptable, "iu", f"{g} integer counts")
+    acc = host_field(f"{arg}.acceptable", grammar.acceptable, "iu", f"{g} integer counts")
     if acc.shape != (g,):
         raise BudgetError(
             f"{arg}.acceptable: expected {g} integer counts (one per grammar request), got shape {acc.shape}"
@@ -97,11 +99,11 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
                 f"{arg}.acceptable: expected counts in [0, num_drafts] per grammar request, got {int(acc[i])} "
                 f"for request {int(req[i])} with {int(nd[i])} drafts"
             )
-    forced = _field(f"{arg}.forced", grammar.forced, "b", f"a bool array of shape ({g}, rows)")
+    forced = host_field(f"{arg}.forced", grammar.forced, "b", f"a bool array of shape ({g}, rows)")
     if forced.ndim != 2 or forced.shape[0] != g:
         raise BudgetError(f"{arg}.forced: expected a bool array of shape ({g}, rows), got shape {forced.shape}")
     return DraftMasks(
-        request=_frozen(req),
-        acceptable=_frozen(acc),
-        forced=_frozen(forced.astype(bool, copy=False)),
+        request=frozen(req),
+        acceptable=frozen(acc),
+        forced=frozen(forced.astype(bool, copy=False)),
     )

@@ -55,6 +55,7 @@ import torch
 from ._checks import INT32_MAX, host_int
 from .budget import BudgetDecision, CostModel, host_confidences
 from .compaction import Regime, regime_of
+from .draftmasks import frozen, host_field
 from .errors import BudgetError, LayoutError
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 
@@ -73,12 +74,6 @@ __all__ = [
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
-
-
-def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    v = a.view()
-    v.flags.writeable = False
-    return v
 
 
 def _flat_parents(parents: Any, layout: ScheduledLayout) -> IntArray:
@@ -168,13 +163,13 @@ class DraftTree:
             depth += live
             anc = np.where(live, up[np.maximum(anc, 0)], -1)
         self.layout = layout
-        self.parents: IntArray = _frozen(flat)
-        self.cu_nodes: IntArray = _frozen(cu)
-        self.depth: IntArray = _frozen(depth)
+        self.parents: IntArray = frozen(flat)
+        self.cu_nodes: IntArray = frozen(cu)
+        self.depth: IntArray = frozen(depth)
         chain = flat == local - 1
         reqs = np.repeat(np.arange(layout.n, dtype=np.int64), layout.num_drafts)
-        self.is_chain: BoolArray = _frozen(np.bincount(reqs[~chain], minlength=layout.n) == 0)
-        self.up: IntArray = _frozen(up)
+        self.is_chain: BoolArray = frozen(np.bincount(reqs[~chain], minlength=layout.n) == 0)
+        self.up: IntArray = frozen(up)
 
     @classmethod
     def chain(cls, layout: ScheduledLayout) -> DraftTree:
@@ -243,20 +238,6 @@ class TreeMasks:
         return np.asarray(self.valid, dtype=bool).sum(axis=1).astype(np.int64)
 
 
-def _mask_field(name: str, value: Any, kinds: str, what: str) -> npt.NDArray[Any]:
-    if isinstance(value, torch.Tensor):
-        if value.device.type != "cpu":
-            raise BudgetError(f"{name}: expected host values, got a tensor on {value.device}")
-        value = value.detach().numpy()
-    try:
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-    except (TypeError, ValueError, OverflowError) as err:
-        raise BudgetError(f"{name}: expected {what}, got {type(value).__name__}") from err
-    if arr.size and arr.dtype.kind not in kinds:
-        raise BudgetError(f"{name}: expected {what}, got dtype {arr.dtype} of shape {arr.shape}")
-    return arr
-
-
 def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> TreeMasks:
     """``grammar`` checked against ``tree``: a read-only :class:`TreeMasks` of int64/bool arrays.
 
@@ -270,7 +251,7 @@ def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> Tre
     if not isinstance(tree, DraftTree):
         raise BudgetError(f"tree: expected a DraftTree, got {type(tree).__name__}")
     lay = tree.layout
-    req = _mask_field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
+    req = host_field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
     if req.ndim != 1:
         raise BudgetError(f"{arg}.request: expected a 1-D array of batch indices, got shape {req.shape}")
     req = req.astype(np.int64, copy=False)
@@ -284,7 +265,7 @@ def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> Tre
     need = int(lay.num_drafts[req].max()) if g else 0
     out: list[BoolArray] = []
     for name in ("valid", "forced"):
-        a = _mask_field(f"{arg}.{name}", getattr(grammar, name), "b", f"a bool array of shape ({g}, nodes)")
+        a = host_field(f"{arg}.{name}", getattr(grammar, name), "b", f"a bool array of shape ({g}, nodes)")
         if a.ndim != 2 or a.shape[0] != g or a.shape[1] < need:
             raise BudgetError(
                 f"{arg}.{name}: expected a bool array of shape ({g}, >= {need}) (one row per grammar request), "
@@ -302,7 +283,7 @@ def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> Tre
                 f"{arg}.valid: expected a valid node's parent to be valid, got node {j} of request {r} valid "
                 f"under invalid node {int(p[j])}"
             )
-    return TreeMasks(_frozen(req), _frozen(valid), _frozen(forced))
+    return TreeMasks(frozen(req), frozen(valid), frozen(forced))
 
 
 def _tree_conf(confidences: Any, tree: DraftTree, grammar: TreeMasks | None) -> FloatArray:
@@ -659,14 +640,14 @@ def compact_tree(tree: DraftTree, keep: Any) -> TreeCompaction:
     budget = int(cap.sum())
     return TreeCompaction(
         regime=regime_of(lay, budget),
-        keep=_frozen(k),
-        capacity=_frozen(cap),
-        num_tokens_per_req=_frozen(lay.num_non_draft + cap),
-        cu_logits=_frozen(cu_logits),
-        cu_kept=_frozen(cu_kept),
-        kept_node=_frozen(local.astype(np.int64)),
-        kept_parent=_frozen(kept_parent),
-        kept_depth=_frozen(tree.depth[idx].astype(np.int64)),
-        live_position=_frozen(live),
+        keep=frozen(k),
+        capacity=frozen(cap),
+        num_tokens_per_req=frozen(lay.num_non_draft + cap),
+        cu_logits=frozen(cu_logits),
+        cu_kept=frozen(cu_kept),
+        kept_node=frozen(local.astype(np.int64)),
+        kept_parent=frozen(kept_parent),
+        kept_depth=frozen(tree.depth[idx].astype(np.int64)),
+        live_position=frozen(live),
         num_bonus=nb,
     )
