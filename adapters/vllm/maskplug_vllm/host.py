@@ -56,8 +56,12 @@ def step_rows(
     num_drafts: npt.NDArray[np.integer] | Sequence[int],
     num_bonus: int,
     grammar_num_drafts: Mapping[str, Sequence[int]] | None = None,
+    stride: int | None = None,
 ) -> StepRows:
-    """Build the scheduled layout and the ragged row mapping for one step.
+    """Build the scheduled layout and the row mapping for one step.
+
+    Ragged rows (vLLM 0.32) by default; with ``stride``, fixed blocks of
+    ``stride`` rows per grammar request (vLLM 0.33's producer layout).
 
     Args:
         req_ids: the batch in logits order.
@@ -69,6 +73,7 @@ def step_rows(
             grammar requests that the batch does not hold (vLLM still emits
             rows for them; they are mapped to a request with no logits rows,
             so they are never applied).
+        stride: rows per grammar request in the fixed layout; None: ragged.
 
     Raises:
         LayoutError: duplicate ids, bad counts, or an absent grammar request
@@ -93,5 +98,5 @@ def step_rows(
         ids = ids + missing
         nd = np.concatenate([nd, draft_counts(missing, grammar_num_drafts)])
     layout = ScheduledLayout(ids, nd, np.ones(len(ids), dtype=np.int64), num_bonus=num_bonus)
-    mapping = GrammarRows(gids).mapping(layout)
-    return StepRows(layout, mapping, n)
+    rows = GrammarRows(gids) if stride is None else GrammarRows(gids, "fixed", stride)
+    return StepRows(layout, rows.mapping(layout), n)

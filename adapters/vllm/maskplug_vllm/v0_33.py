@@ -36,7 +36,7 @@ from maskplug import GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bi
 from maskplug.grammar import fill_draft_masks
 
 from .backend import MaskplugBackend, provider_for
-from .host import StepRows, draft_counts
+from .host import StepRows, draft_counts, step_rows
 
 __all__ = [
     "NUM_BONUS",
@@ -86,25 +86,7 @@ def fixed_step_rows(
             than ``stride``, or an absent grammar request whose drafts are
             unknown.
     """
-    ids = list(req_ids)
-    gids = list(grammar_req_ids)
-    nd = np.asarray(num_drafts, dtype=np.int64)
-    n = len(ids)
-    if nd.shape != (n,):
-        raise LayoutError(f"num_drafts: expected {n} counts (one per batch request), got shape {nd.shape}")
-    present = set(ids)
-    missing = [g for g in gids if g not in present]
-    if missing:
-        if grammar_num_drafts is None:
-            raise LayoutError(
-                f"grammar_req_ids: request {missing[0]!r} is not in the batch and its drafts are unknown "
-                "(pass grammar_num_drafts)"
-            )
-        ids = ids + missing
-        nd = np.concatenate([nd, draft_counts(missing, grammar_num_drafts)])
-    layout = ScheduledLayout(ids, nd, np.ones(len(ids), dtype=np.int64), num_bonus=num_bonus)
-    mapping = GrammarRows(gids, "fixed", stride).mapping(layout)
-    return StepRows(layout, mapping, n)
+    return step_rows(req_ids, grammar_req_ids, num_drafts, num_bonus, grammar_num_drafts, stride=stride)
 
 
 def _bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
