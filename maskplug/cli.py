@@ -225,11 +225,19 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     argv: list[str] = []
     for name in args.provider or ():
         argv += ["--provider", name]
-    for flag, value in (("--data", args.data), ("--limit", args.limit), ("--limit-s", args.limit_s)):
+    for flag, value in (
+        ("--data", args.data),
+        ("--limit", args.limit),
+        ("--limit-s", args.limit_s),
+        ("--offset", args.offset),
+        ("--shard", args.shard),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--strict-keys", args.strict_keys, "--unsupported", args.unsupported, "--whitespace", args.whitespace]
-    argv += ["--json"] * args.json + ["--no-engine"] * args.no_engine
+    argv += ["--json"] * args.json + ["--no-engine"] * args.no_engine + ["--details"] * args.details
+    if args.merge:
+        argv += ["--merge", *args.merge]
     return conformance_main(argv)
 
 
@@ -346,8 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
     p.add_argument("--data", help="JSON-lines schemas with tests (default: the JSONSchemaBench sample)")
-    p.add_argument("--limit", type=_int_at_least(1), help="only the first N schemas")
+    p.add_argument("--limit", type=_int_at_least(1), help="only the first N schemas (after --offset and --shard)")
     p.add_argument("--limit-s", type=float, help="compile limit in seconds (default: the providers')")
+    p.add_argument("--offset", type=_int_at_least(0), help="skip the first N schemas of the file")
+    p.add_argument("--shard", help="I/N: every N-th schema from the I-th (1-based); N runs cover the file")
+    p.add_argument("--details", action="store_true", help="with --json: every schema's and instance's figures")
+    p.add_argument("--merge", nargs="+", metavar="FILE", help="combine earlier --json --details outputs (shards)")
     p.add_argument("--strict-keys", choices=("true", "false"), default="true")
     p.add_argument("--unsupported", choices=("ignore", "refuse"), default="ignore")
     p.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible")

@@ -35,7 +35,10 @@ engine's; each is tested in ``tests/grammars/test_conformance_real.py``):
   its instances are not counted on either path.
 
 Run it: ``python -m maskplug.conformance [--provider NAME ...] [--data FILE]
-[--limit N] [--json]`` (or ``maskplug conformance``).
+[--limit N] [--json]`` (or ``maskplug conformance``). A long run can be split:
+``--shard I/N`` takes every N-th schema from the I-th, ``--offset N`` skips the
+first N; ``--json --details`` keeps every schema's figures, and ``--merge
+FILE ...`` prints the table of such outputs combined.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ __all__ = [
     "format_table",
     "load_cases",
     "main",
+    "merge",
+    "parse_shard",
     "run",
 ]
 
@@ -99,16 +104,53 @@ def default_data_path() -> Path:
     return SUBSET_PATH
 
 
-def load_cases(path: str | os.PathLike[str] | None = None, limit: int | None = None) -> list[Case]:
-    """The schemas of a JSON-lines file (the first ``limit`` of them)."""
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` as ``(I, N)`` with ``1 <= I <= N``; :class:`GrammarError` naming ``shard`` otherwise."""
+    try:
+        i_text, n_text = text.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise GrammarError(f"shard: expected I/N (for example 1/2), got {text!r}") from None
+    if not 1 <= i <= n:
+        raise GrammarError(f"shard: expected I/N with 1 <= I <= N, got {text!r}")
+    return i, n
+
+
+def load_cases(
+    path: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    *,
+    offset: int = 0,
+    shard: tuple[int, int] | None = None,
+) -> list[Case]:
+    """The schemas of a JSON-lines file.
+
+    ``offset`` skips the first schemas; ``shard=(i, n)`` then keeps every
+    ``n``-th schema from the ``i``-th (1-based), so the ``n`` shards of a file
+    together hold each of its schemas exactly once; ``limit`` keeps the first
+    ``limit`` of what is left.
+    """
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise GrammarError(f"offset: expected an int >= 0, got {offset!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise GrammarError(f"limit: expected an int >= 1 or None, got {limit!r}")
+    if shard is not None:
+        ok = isinstance(shard, tuple) and len(shard) == 2 and all(type(x) is int for x in shard)
+        if not ok or not 1 <= shard[0] <= shard[1]:
+            raise GrammarError(f"shard: expected (i, n) with 1 <= i <= n, got {shard!r}")
     p = Path(path) if path is not None else default_data_path()
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise GrammarError(f"data: could not read {os.fspath(p)!r}: {exc}") from exc
     out: list[Case] = []
+    seen = 0
     for n, line in enumerate(lines, 1):
         if not line.strip():
+            continue
+        k = seen
+        seen += 1
+        if k < offset or (shard is not None and (k - offset) % shard[1] != shard[0] - 1):
             continue
         try:
             row = json.loads(line)
@@ -156,6 +198,44 @@ class PathReport:
         d["mask_us_per_token"] = 1e6 * self.mask_s / self.mask_tokens if self.mask_tokens else float("nan")
         d["served_by"] = _count(self.served_by.values())
         return d
+
+    def detail(self) -> dict[str, Any]:
+        """Every field (per-schema compile times, errors, per-instance verdicts): what :func:`merge` reads."""
+        return asdict(self)
+
+    @classmethod
+    def from_detail(cls, d: dict[str, Any]) -> PathReport:
+        """The report :meth:`detail` wrote."""
+        try:
+            return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+        except (KeyError, TypeError) as exc:
+            raise GrammarError(f"details: not a conformance report's detail: {exc}") from exc
+
+
+def merge(parts: Iterable[Sequence[PathReport]]) -> list[PathReport]:
+    """One report per (provider, path) from the reports of disjoint runs (shards of one sample).
+
+    Counts add up, per-schema compile times and errors and per-instance
+    verdicts are pooled (so percentiles are over every schema); a schema or
+    instance reported by two parts is a :class:`GrammarError` naming ``parts``.
+    """
+    out: dict[tuple[str, str], PathReport] = {}
+    for reports in parts:
+        for r in reports:
+            m = out.setdefault((r.provider, r.path), PathReport(r.provider, r.path))
+            twice = (m.errors.keys() | m.served_by.keys()) & (r.errors.keys() | r.served_by.keys())
+            twice |= m.verdicts.keys() & r.verdicts.keys()
+            if twice:
+                raise GrammarError(f"parts: {r.provider} ({r.path}) reports {sorted(twice)[:3]} more than once")
+            for f in ("schemas", "compiled", "valid", "valid_accepted", "invalid", "invalid_accepted", "mask_tokens"):
+                setattr(m, f, getattr(m, f) + getattr(r, f))
+            m.warned += r.warned
+            m.mask_s += r.mask_s
+            m.compile_s += r.compile_s
+            m.errors.update(r.errors)
+            m.verdicts.update(r.verdicts)
+            m.served_by.update(r.served_by)
+    return list(out.values())
 
 
 def _count(items: Iterable[str]) -> dict[str, int]:
@@ -440,7 +520,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="maskplug conformance", description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
     ap.add_argument("--data", help="JSON-lines schemas with tests (default: the shared JSONSchemaBench sample)")
-    ap.add_argument("--limit", type=int, help="only the first N schemas")
+    ap.add_argument("--limit", type=int, help="only the first N schemas (after --offset and --shard)")
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N schemas of the file")
+    ap.add_argument("--shard", help="I/N: every N-th schema from the I-th (1-based); N runs cover the file")
+    ap.add_argument("--details", action="store_true", help="with --json: every schema's and instance's figures")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        help="print the table of earlier --json --details outputs (shards) combined",
+    )
     ap.add_argument("--limit-s", type=float, default=None, help="compile limit in seconds (default: the providers')")
     ap.add_argument("--no-engine", action="store_true", help="skip driving the engines directly")
     ap.add_argument("--strict-keys", choices=("true", "false"), default="true")
@@ -449,7 +538,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     a = ap.parse_args(argv)
     try:
-        cases = load_cases(a.data, a.limit)
+        if a.merge:
+            return _print(merge(_read_details(f) for f in a.merge), a.json, a.details)
+        shard = parse_shard(a.shard) if a.shard is not None else None
+        cases = load_cases(a.data, a.limit, offset=a.offset, shard=shard)
     except GrammarError as exc:
         print(f"maskplug conformance: error: {exc}", file=sys.stderr)
         return 2
@@ -466,9 +558,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine=not a.no_engine,
         progress=say,
     )
+    return _print(reports, a.json, a.details)
+
+
+def _read_details(path: str) -> list[PathReport]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        details = data["details"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise GrammarError(f"merge: {path!r} is not the output of --json --details: {exc}") from exc
+    if not isinstance(details, list) or not all(isinstance(d, dict) for d in details):
+        raise GrammarError(f"merge: {path!r} is not the output of --json --details")
+    return [PathReport.from_detail(d) for d in details]
+
+
+def _print(reports: Sequence[PathReport], as_json: bool, details: bool) -> int:
     diff = disagreements(reports)
-    if a.json:
-        print(json.dumps({"reports": [r.summary() for r in reports], "disagreements": diff}, indent=2))
+    if as_json:
+        out: dict[str, Any] = {"reports": [r.summary() for r in reports], "disagreements": diff}
+        if details:
+            out["details"] = [r.detail() for r in reports]
+        print(json.dumps(out, indent=2))
     else:
         print(format_table(reports))
         for name, keys in diff.items():
