@@ -103,6 +103,35 @@ def _survival(confidences: Any, layout: ScheduledLayout) -> list[list[float]]:
     return s
 
 
+def _best_budget(
+    values: list[list[float]],
+    layout: ScheduledLayout,
+    cost: CostModel,
+    num_sampling: int | None,
+    max_logits: int | None,
+) -> BudgetDecision:
+    """Try every budget ``b``, admitting the ``b`` largest ``values``; keep the first best ``est/cost``.
+
+    ``values`` are per request, per draft (or node): what admitting it adds to
+    the expected tokens. The answer of :func:`choose_budget` and
+    :func:`choose_tree_budget` alike.
+    """
+    vals = sorted((v for row in values for v in row), reverse=True)
+    n = layout.n
+    ns = n if num_sampling is None else num_sampling
+    cap = layout.total_drafts
+    if max_logits is not None:
+        cap = min(cap, max_logits - n * layout.num_bonus)
+    best: BudgetDecision | None = None
+    for b in range(cap + 1):
+        est = ns + sum(vals[:b])
+        c = float(cost.draft_ms(n)) + float(cost.verify_ms(int(layout.num_non_draft.sum()) + b))
+        if best is None or est / c > best.expected_tokens / best.cost_ms:
+            best = BudgetDecision(b, float(est), c)
+    assert best is not None
+    return best
+
+
 def choose_budget(
     confidences: Any,
     layout: ScheduledLayout,
@@ -121,20 +150,7 @@ def choose_budget(
                     conf[r, k] = 0.0
                 elif k < grammar.forced.shape[1] and grammar.forced[g, k]:
                     conf[r, k] = 1.0
-    surv = sorted((v for row in _survival(conf, layout) for v in row), reverse=True)
-    n = layout.n
-    ns = n if num_sampling is None else num_sampling
-    cap = layout.total_drafts
-    if max_logits is not None:
-        cap = min(cap, max_logits - n * layout.num_bonus)
-    best: BudgetDecision | None = None
-    for b in range(cap + 1):
-        est = ns + sum(surv[:b])
-        c = float(cost.draft_ms(n)) + float(cost.verify_ms(int(layout.num_non_draft.sum()) + b))
-        if best is None or est / c > best.expected_tokens / best.cost_ms:
-            best = BudgetDecision(b, float(est), c)
-    assert best is not None
-    return best
+    return _best_budget(_survival(conf, layout), layout, cost, num_sampling, max_logits)
 
 
 def allocate(confidences: Any, num_drafts: Any, budget: int) -> list[int]:
@@ -235,21 +251,8 @@ def choose_tree_budget(
     grammar: Any = None,
 ) -> BudgetDecision:
     """Try every budget over the tree's node values; keep the first best ``est/cost``."""
-    lay = tree.layout
-    vals = sorted((v for row in tree_node_values(confidences, tree, grammar) for v in row), reverse=True)
-    n = lay.n
-    ns = n if num_sampling is None else num_sampling
-    cap = lay.total_drafts
-    if max_logits is not None:
-        cap = min(cap, max_logits - n * lay.num_bonus)
-    best: BudgetDecision | None = None
-    for b in range(cap + 1):
-        est = ns + sum(vals[:b])
-        c = float(cost.draft_ms(n)) + float(cost.verify_ms(int(lay.num_non_draft.sum()) + b))
-        if best is None or est / c > best.expected_tokens / best.cost_ms:
-            best = BudgetDecision(b, float(est), c)
-    assert best is not None
-    return best
+    values = tree_node_values(confidences, tree, grammar)
+    return _best_budget(values, tree.layout, cost, num_sampling, max_logits)
 
 
 def select_subtree(confidences: Any, tree: Any, budget: int, grammar: Any = None) -> list[list[bool]]:
