@@ -320,8 +320,22 @@ def choose_budget(
     if not isinstance(cost, CostModel):
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
     conf = host_confidences(confidences, layout)
+    ns, cap = budget_bounds(layout, num_sampling, max_logits)
+    if grammar is not None:
+        conf = grammar_confidences(conf, layout, grammar)
+    return best_budget(_sorted_survivals(conf, layout.num_drafts)[:cap], ns, layout, cost)
+
+
+def budget_bounds(layout: ScheduledLayout, num_sampling: Any, max_logits: Any) -> tuple[int, int]:
+    """``(num_sampling, cap)`` of a budget choice: the checked arguments and the largest budget allowed.
+
+    ``num_sampling`` defaults to ``n``; the cap is ``Σ num_drafts``, lowered to
+    ``max_logits − n·num_bonus`` when ``max_logits`` is given (below the bonus
+    rows alone it raises :class:`BudgetError`). Shared by
+    :func:`choose_budget` and :func:`maskplug.choose_tree_budget`.
+    """
     n = layout.n
-    num_sampling = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
+    ns = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
     cap = layout.total_drafts
     if max_logits is not None:
         room = host_int("max_logits", max_logits, BudgetError) - n * layout.num_bonus
@@ -331,9 +345,21 @@ def choose_budget(
                 f"positions alone, got {max_logits}"
             )
         cap = min(cap, room)
-    if grammar is not None:
-        conf = grammar_confidences(conf, layout, grammar)
-    top = _sorted_survivals(conf, layout.num_drafts)[:cap]
+    return ns, cap
+
+
+def best_budget(top: FloatArray, num_sampling: int, layout: ScheduledLayout, cost: CostModel) -> BudgetDecision:
+    """The budget ``b`` in ``[0, len(top)]`` maximising ``est(b) / cost(b)``; ties go to the smallest ``b``.
+
+    ``top`` holds the values of the admissible drafts (or tree nodes), largest
+    first, already cut to the cap; ``est(b) = num_sampling + Σ top[:b]`` and
+    ``cost(b) = draft_ms(n) + verify_ms(Σ num_non_draft + b)``. A ``cost``
+    subclass's step costs are checked (finite, non-decreasing); every cost must
+    be positive. Shared by :func:`choose_budget` and
+    :func:`maskplug.choose_tree_budget`.
+    """
+    n = layout.n
+    cap = int(top.shape[0])
     est = np.empty(cap + 1, dtype=np.float64)
     est[0] = float(num_sampling)
     np.cumsum(top, out=est[1:])

@@ -53,7 +53,7 @@ import numpy.typing as npt
 import torch
 
 from ._checks import INT32_MAX, host_int
-from .budget import BudgetDecision, CostModel, host_confidences
+from .budget import BudgetDecision, CostModel, best_budget, budget_bounds, host_confidences
 from .compaction import Regime, regime_of
 from .draftmasks import frozen, host_field
 from .errors import BudgetError, LayoutError
@@ -371,41 +371,9 @@ def choose_tree_budget(
     if not isinstance(cost, CostModel):
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
     lay = tree.layout
-    n = lay.n
     values = node_values(confidences, tree, grammar)
-    ns = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
-    cap = lay.total_drafts
-    if max_logits is not None:
-        room = host_int("max_logits", max_logits, BudgetError) - n * lay.num_bonus
-        if room < 0:
-            raise BudgetError(
-                f"max_logits: expected at least n*num_bonus = {n * lay.num_bonus} rows for the bonus "
-                f"positions alone, got {max_logits}"
-            )
-        cap = min(cap, room)
-    top = np.sort(values)[::-1][:cap]
-    est = np.empty(cap + 1, dtype=np.float64)
-    est[0] = float(ns)
-    np.cumsum(top, out=est[1:])
-    est[1:] += float(ns)
-    base = int(lay.num_non_draft.sum())
-    costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
-        cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
-    )
-    if costs.shape != (cap + 1,) or not np.isfinite(costs).all():
-        bad = costs if costs.shape != (cap + 1,) else costs[~np.isfinite(costs)][:3]
-        raise BudgetError(f"cost: expected {cap + 1} finite step costs, got {bad.tolist()}")
-    falls = np.flatnonzero(np.diff(costs) < 0)
-    if falls.size:
-        b = int(falls[0])
-        raise BudgetError(
-            f"cost: expected step costs non-decreasing in the budget, got {float(costs[b])} ms at budget {b} "
-            f"and {float(costs[b + 1])} ms at budget {b + 1}"
-        )
-    if np.any(costs <= 0):
-        raise BudgetError(f"cost: expected positive step costs, got {float(costs.min())} ms")
-    b = int(np.argmax(est / costs))
-    return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
+    ns, cap = budget_bounds(lay, num_sampling, max_logits)
+    return best_budget(np.sort(values)[::-1][:cap], ns, lay, cost)
 
 
 def select_subtree(
