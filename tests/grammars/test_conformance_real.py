@@ -265,3 +265,102 @@ def test_maskplug_conformance_subcommand(capsys: pytest.CaptureFixture[str]) -> 
     assert row["provider"] == "llguidance" and row["path"] == "maskplug" and row["compiled"] == 2
     assert main(["conformance", "--data", str(DATA.parent / "missing.jsonl")]) == 2
     assert "data: could not read" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# Splitting a long run: --offset, --shard, --details and --merge
+# --------------------------------------------------------------------------
+
+
+def test_offset_and_shards_partition_the_file() -> None:
+    from maskplug.conformance import load_cases
+
+    ids = [c.id for c in load_cases(DATA)]
+    assert [c.id for c in load_cases(DATA, offset=10)] == ids[10:]
+    assert [c.id for c in load_cases(DATA, offset=10, limit=3)] == ids[10:13]
+    parts = [[c.id for c in load_cases(DATA, shard=(i, 3))] for i in (1, 2, 3)]
+    assert parts == [ids[0::3], ids[1::3], ids[2::3]]
+    pooled = [i for part in parts for i in part]
+    assert sorted(pooled) == sorted(ids) and len(set(pooled)) == len(ids)
+    # The offset comes first, then the shard, then the limit.
+    assert [c.id for c in load_cases(DATA, offset=5, shard=(2, 4), limit=2)] == ids[6:14:4]
+    assert load_cases(DATA, offset=len(ids)) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "arg"),
+    [
+        ({"offset": -1}, "offset"),
+        ({"offset": 1.5}, "offset"),
+        ({"limit": 0}, "limit"),
+        ({"shard": (0, 2)}, "shard"),
+        ({"shard": (3, 2)}, "shard"),
+        ({"shard": (1, 0)}, "shard"),
+        ({"shard": [1, 2]}, "shard"),
+    ],
+)
+def test_bad_split_arguments_are_named(kwargs: dict[str, Any], arg: str) -> None:
+    from maskplug.conformance import load_cases
+
+    with pytest.raises(GrammarError, match=rf"^{arg}: "):
+        load_cases(DATA, **kwargs)
+
+
+@pytest.mark.parametrize("text", ["1", "a/b", "0/2", "3/2", "1/2/3", ""])
+def test_bad_shard_text_is_named(text: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.conformance import main, parse_shard
+
+    with pytest.raises(GrammarError, match=r"^shard: "):
+        parse_shard(text)
+    assert main(["--provider", "llguidance", "--data", str(DATA), "--shard", text]) == 2
+    assert "shard: " in capsys.readouterr().err
+    assert parse_shard("2/5") == (2, 5)
+
+
+def test_merged_shards_equal_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.conformance import main
+
+    common = ["--provider", "llguidance", "--data", str(DATA), "--offset", "20", "--limit", "3", "--limit-s", "120"]
+    files = []
+    for i in (1, 2):
+        assert main([*common, "--shard", f"{i}/2", "--json", "--details"]) == 0
+        f = tmp_path / f"part{i}.json"
+        f.write_text(capsys.readouterr().out, encoding="utf-8")
+        files.append(str(f))
+    whole = ["--provider", "llguidance", "--data", str(DATA), "--offset", "20", "--limit", "6", "--limit-s", "120"]
+    assert main([*whole, "--json", "--details"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(["--merge", *files, "--json", "--details"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert [(r["provider"], r["path"]) for r in merged["reports"]] == [
+        ("llguidance", "maskplug"),
+        ("llguidance", "engine"),
+    ]
+    counts = ("schemas", "compiled", "valid", "valid_accepted", "invalid", "invalid_accepted", "warned")
+    for a, b in zip(merged["details"], one["details"], strict=True):
+        assert a["schemas"] == 6 and a["valid"] + a["invalid"] > 0
+        assert {k: a[k] for k in counts} == {k: b[k] for k in counts}
+        assert a["verdicts"] == b["verdicts"] and a["errors"] == b["errors"]
+        assert len(a["compile_s"]) == len(b["compile_s"]) == a["compiled"]
+    assert merged["disagreements"] == {"llguidance": []}
+    # The table of the merged parts; a part given twice is refused, as is a file that holds no details.
+    assert main(["--merge", *files]) == 0
+    assert "| llguidance | maskplug | 6 / 6 |" in capsys.readouterr().out
+    assert main(["--merge", files[0], files[0]]) == 2
+    assert "parts: llguidance (maskplug) reports" in capsys.readouterr().err
+    assert main([*common, "--shard", "1/2", "--json"]) == 0
+    plain = tmp_path / "plain.json"
+    plain.write_text(capsys.readouterr().out, encoding="utf-8")
+    assert main(["--merge", str(plain)]) == 2
+    assert "merge: " in capsys.readouterr().err
+
+
+def test_maskplug_conformance_subcommand_splits(capsys: pytest.CaptureFixture[str]) -> None:
+    from maskplug.cli import main
+    from maskplug.conformance import load_cases
+
+    args = ["conformance", "--provider", "llguidance", "--data", str(DATA), "--no-engine", "--json", "--details"]
+    assert main([*args, "--offset", "3", "--shard", "2/4", "--limit", "2"]) == 0
+    (d,) = json.loads(capsys.readouterr().out)["details"]
+    want = [c.id for c in load_cases(DATA, offset=3, shard=(2, 4), limit=2)]
+    assert d["schemas"] == 2 and sorted({k.split("#")[0] for k in d["verdicts"]} | set(d["errors"])) == sorted(want)
