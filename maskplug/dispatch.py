@@ -115,8 +115,17 @@ class _Staging(threading.local):
 _staging = _Staging()
 
 
-def _int_vector(name: str, value: Any, device: torch.device) -> tuple[torch.Tensor, np.ndarray | None]:
-    """A 1-D int32 tensor on ``device`` plus its host copy when one exists (no sync)."""
+_INT32 = np.dtype(np.int32)  # native byte order
+
+
+def _int_vector(
+    name: str, value: Any, device: torch.device, *, wide: bool = False
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """A 1-D int32 tensor on ``device`` plus its host copy when one exists (no sync).
+
+    The host copy is int64 when ``wide`` (for callers that subtract values) or
+    when the input was not int32 already; else it is the int32 input itself.
+    """
     if isinstance(value, torch.Tensor):
         if value.ndim != 1:
             raise LayoutError(f"{name}: expected a 1-D integer tensor, got shape {tuple(value.shape)}")
@@ -124,13 +133,20 @@ def _int_vector(name: str, value: Any, device: torch.device) -> tuple[torch.Tens
             raise LayoutError(f"{name}: expected an integer dtype, got {value.dtype}")
         if value.device.type == "cpu":
             host = value.detach().numpy().astype(np.int64, copy=False)
-            return _int_vector(name, host, device)
+            return _int_vector(name, host, device, wide=wide)
         if value.device != device:
             raise LayoutError(f"{name}: expected a host array or a tensor on {device}, got a tensor on {value.device}")
         return value.to(torch.int32).contiguous(), None
     arr = np.asarray(value)
     if arr.ndim != 1:
         raise LayoutError(f"{name}: expected a 1-D integer array, got shape {arr.shape}")
+    if arr.dtype == _INT32 and not wide:
+        # Already int32 (a RowMapping's arrays always are): every value fits, and the kernels
+        # only read it, so it is handed on as it is, with no copy and no range pass.
+        arr32 = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        if device.type == "cuda":
+            return _staging.to_device(name, arr32, device), arr32
+        return torch.from_numpy(arr32), arr32
     if arr.size and arr.dtype.kind not in "iu":
         raise LayoutError(f"{name}: expected an integer dtype, got {arr.dtype}")
     arr64 = arr.astype(np.int64, copy=False)
@@ -247,7 +263,7 @@ def apply_grammar_bitmask(
             f"mapping: expected {rows} entries (one per bitmask row), got {request.shape[0]}; "
             "build the mapping from the scheduled layout, not from the compacted offsets"
         )
-    cu, cu_host = _int_vector("cu_logits", cu_logits, device)
+    cu, cu_host = _int_vector("cu_logits", cu_logits, device, wide=True)
     if cu.shape[0] < 1:
         raise LayoutError("cu_logits: expected n + 1 >= 1 offsets, got an empty array")
     n = int(cu.shape[0]) - 1
@@ -268,7 +284,8 @@ def apply_grammar_bitmask(
         if req_host.min() < -1 or req_host.max() >= n:
             bad = int(req_host[(req_host < -1) | (req_host >= n)][0])
             raise LayoutError(f"mapping.request: expected -1 or a request index in [0, {n}), got {bad}")
-    if pos_host is not None and pos_host.size:
+    if pos_host is not None and pos_host.size and pos_host.min() < 0:
+        # Only rows that are used must have a position; unused rows (request -1) may hold anything.
         used = pos_host if req_host is None else pos_host[req_host >= 0]
         if used.size and used.min() < 0:
             raise LayoutError(f"mapping.position: expected positions >= 0 for used rows, got {int(used.min())}")
