@@ -13,6 +13,9 @@ hands the normalised arguments to the backend's launcher. Around that:
   the device questions every CUDA backend asks;
 * :func:`import_reason`: import a backend's optional dependency once and turn a
   failure into a reason string;
+* :class:`Extent`, :func:`launch_extent`: the host metadata every launcher
+  derives from the normalised arguments (rows, width, the columns to touch,
+  the row stride), or ``None`` when a launch has nothing to do;
 * :func:`define_apply_op`: the backend's launcher as a ``torch.library`` custom
   op with a fake implementation, so ``torch.compile(fullgraph=True)`` traces a
   step that masks its logits as one opaque node.
@@ -28,7 +31,7 @@ import importlib
 import threading
 from collections.abc import Callable
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -38,6 +41,7 @@ __all__ = [
     "INT_VIEW",
     "NINF_BITS",
     "BackendBase",
+    "Extent",
     "KernelBackend",
     "Launcher",
     "cuda_unavailable_reason",
@@ -45,6 +49,7 @@ __all__ = [
     "device_index",
     "import_reason",
     "int_view",
+    "launch_extent",
     "ninf_bits",
     "num_sms",
 ]
@@ -118,6 +123,40 @@ def ninf_bits(dtype: torch.dtype, *, unsigned: bool = False) -> int:
 def int_view(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` viewed as integers of the same width (same storage, strides and shape)."""
     return logits.view(INT_VIEW[logits.dtype])
+
+
+# ---- launch metadata --------------------------------------------------------------------------------------
+
+
+class Extent(NamedTuple):
+    """What a launch covers, read from host metadata only (shapes and strides, never tensor values)."""
+
+    rows: int
+    """Mask rows (``bitmask.shape[0]``)."""
+    width: int
+    """Logits columns (``logits.shape[1]``)."""
+    limit: int
+    """Columns a live row may have written: ``width`` with ``mask_tail``, else ``vocab_size``."""
+    row_stride: int
+    """The logits row stride in elements; ``width`` for a one-row tensor, whose reported stride may be anything."""
+
+
+def launch_extent(logits: torch.Tensor, bitmask: torch.Tensor, vocab_size: int, mask_tail: bool) -> Extent | None:
+    """The :class:`Extent` of a launch on normalised arguments, or ``None`` when it has nothing to mask.
+
+    Nothing to mask: no mask rows, no logits rows, or no column to touch
+    (``limit == 0``). A one-row tensor's stride is never multiplied by a row
+    index above 0, so its reported stride (any value, after slicing) is
+    replaced by the width. Reads no tensor value: safe inside a CUDA graph
+    capture.
+    """
+    rows = int(bitmask.shape[0])
+    width = int(logits.shape[1])
+    limit = width if mask_tail else int(vocab_size)
+    if rows == 0 or logits.shape[0] == 0 or limit == 0:
+        return None
+    row_stride = int(logits.stride(0)) if logits.shape[0] > 1 else width
+    return Extent(rows, width, limit, row_stride)
 
 
 # ---- devices ----------------------------------------------------------------------------------------------

@@ -31,6 +31,29 @@ def test_int_view_shares_storage_and_strides() -> None:
     assert x[1, 1].item() == float("-inf")
 
 
+def test_launch_extent_reads_shapes_and_strides_only() -> None:
+    logits = torch.zeros(6, 100)[::2]  # 3 rows, row stride 200
+    bitmask = torch.zeros(5, 4, dtype=torch.int32)
+    assert sdk.launch_extent(logits, bitmask, 97, False) == sdk.Extent(rows=5, width=100, limit=97, row_stride=200)
+    assert sdk.launch_extent(logits, bitmask, 97, True) == sdk.Extent(rows=5, width=100, limit=100, row_stride=200)
+    # A one-row slice reports its parent's stride; the extent gives the width instead.
+    one = torch.zeros(4, 100)[:, :64][1:2]
+    assert one.stride(0) == 100
+    assert sdk.launch_extent(one, bitmask, 64, False) == sdk.Extent(rows=5, width=64, limit=64, row_stride=64)
+
+
+@pytest.mark.parametrize(
+    ("logit_rows", "mask_rows", "vocab_size", "mask_tail"),
+    [(3, 0, 97, False), (0, 5, 97, True), (3, 5, 0, False)],
+)
+def test_launch_extent_is_none_when_nothing_is_to_mask(
+    logit_rows: int, mask_rows: int, vocab_size: int, mask_tail: bool
+) -> None:
+    logits = torch.zeros(logit_rows, 100)
+    bitmask = torch.zeros(mask_rows, 4, dtype=torch.int32)
+    assert sdk.launch_extent(logits, bitmask, vocab_size, mask_tail) is None
+
+
 def test_import_reason_names_the_failure() -> None:
     assert sdk.import_reason("math", "json") is None
     why = sdk.import_reason("math", "maskplug_no_such_module_here")

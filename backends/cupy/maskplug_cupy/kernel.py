@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskplug.kernels.sdk import device_index, ninf_bits, num_sms
+from maskplug.kernels.sdk import device_index, launch_extent, ninf_bits, num_sms
 
 __all__ = [
     "ARG_NAMES",
@@ -94,11 +94,10 @@ def plan_launch(
     grid would give fewer than ``8 × num_sms`` blocks, so a single decode row
     is spread over the whole card and large batches amortise the row lookup.
     """
-    rows = int(bitmask.shape[0])
-    width = int(logits.shape[1])
-    limit = width if mask_tail else int(vocab_size)
-    if rows == 0 or logits.shape[0] == 0 or limit == 0:
+    extent = launch_extent(logits, bitmask, vocab_size, mask_tail)
+    if extent is None:
         return None
+    rows, limit, row_stride = extent.rows, extent.limit, extent.row_stride
     esize = logits.element_size()
     pack = 16 // esize
     packs_per_row = -(-limit // pack)
@@ -110,8 +109,6 @@ def plan_launch(
     iters = min(iters, 1 << (-(-packs_per_row // block) - 1).bit_length())  # never more than a row needs
     packs_per_chunk = block * iters
     chunks = -(-packs_per_row // packs_per_chunk)
-    # A 1-row tensor may report any row stride; the kernel only multiplies it by row indices > 0.
-    row_stride = int(logits.stride(0)) if logits.shape[0] > 1 else width
     aligned = logits.data_ptr() % 16 == 0 and (row_stride * esize) % 16 == 0
     args: tuple[np.generic, ...] = (
         np.uint64(logits.data_ptr()),

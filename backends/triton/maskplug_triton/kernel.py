@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from maskplug.kernels.sdk import device_index, int_view, ninf_bits, num_sms
+from maskplug.kernels.sdk import device_index, int_view, launch_extent, ninf_bits, num_sms
 
 __all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "kernel_fn", "launch", "launch_shape"]
 
@@ -160,18 +160,14 @@ def launch(
     Everything read here is host metadata (shapes, strides, SM count), so the
     launch never synchronises and can be captured in a CUDA graph.
     """
-    rows = int(bitmask.shape[0])
-    width = int(logits.shape[1])
-    limit = width if mask_tail else int(vocab_size)
-    if rows == 0 or logits.shape[0] == 0 or limit == 0:
+    extent = launch_extent(logits, bitmask, vocab_size, mask_tail)
+    if extent is None:
         return
-    tiles, chunks, programs = launch_shape(rows, limit, _sm_count(logits.device))
-    xi = int_view(logits)
-    # A 1-row tensor may report any row stride; it is never multiplied by a row > 0.
-    row_stride = int(logits.stride(0)) if logits.shape[0] > 1 else width
+    limit = extent.limit
+    tiles, chunks, programs = launch_shape(extent.rows, limit, _sm_count(logits.device))
     _mask_kernel[(programs,)](
-        xi,
-        row_stride,
+        int_view(logits),
+        extent.row_stride,
         bitmask,
         int(bitmask.shape[1]),
         request,
