@@ -52,7 +52,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -338,6 +338,38 @@ class RunResult:
 
 
 @dataclass
+class _Requests:
+    """The running requests' state at the start of a step, one entry per request (batch order)."""
+
+    rid: I64
+    slots: I64
+    length: I64
+    prefill: npt.NDArray[np.bool_]
+    on_track: npt.NDArray[np.bool_]
+    #: the request's token limit
+    limit: I64
+    prompt: I64
+    skill: npt.NDArray[np.float64]
+    sampled: npt.NDArray[np.bool_]
+    has_g: npt.NDArray[np.bool_]
+    #: ``window[r, j]``: the reference token ``j`` places past request ``r``'s output
+    window: I64
+
+
+class _Step(Protocol):
+    """What chain and tree steps both carry, for the stages they share (commit, retire, accounting)."""
+
+    t: int
+    act: list[_Active]
+    prefill: npt.NDArray[np.bool_]
+    num_non_draft: I64
+    layout: ScheduledLayout
+    host_s: float
+    mask_s: float
+    ready_s: float | None
+
+
+@dataclass
 class _Batch:
     """One step's running requests (stage 2): their state, the scheduled layout and the drafts."""
 
@@ -510,6 +542,103 @@ class Simulation:
             return "valid" if regex.fullmatch(spec.pattern or "", text) is not None else "invalid"
         return "valid"
 
+    def _requests(self, width: int) -> _Requests:
+        """The running requests' state and each one's reference window ``width`` tokens wide."""
+        act = self.active
+        n = len(act)
+        length = np.fromiter((len(a.output) for a in act), dtype=np.int64, count=n)
+        window = np.empty((n, width), dtype=np.int64)
+        for r, a in enumerate(act):
+            ref = a.prep.ref
+            idx = np.minimum(length[r] + np.arange(width), ref.shape[0] - 1)
+            window[r] = ref[idx]
+        return _Requests(
+            rid=np.fromiter((a.prep.spec.index for a in act), dtype=np.int64, count=n),
+            slots=np.fromiter((a.slot for a in act), dtype=np.int64, count=n),
+            length=length,
+            prefill=np.fromiter((not a.prefilled for a in act), dtype=bool, count=n),
+            on_track=np.fromiter((a.on_track for a in act), dtype=bool, count=n),
+            limit=np.fromiter((a.prep.max_tokens for a in act), dtype=np.int64, count=n),
+            prompt=np.fromiter((a.prep.spec.prompt_len for a in act), dtype=np.int64, count=n),
+            skill=np.fromiter((a.prep.spec.skill for a in act), dtype=np.float64, count=n),
+            sampled=np.fromiter((a.prep.spec.sampled for a in act), dtype=bool, count=n),
+            has_g=np.fromiter((a.matcher is not None for a in act), dtype=bool, count=n),
+            window=window,
+        )
+
+    def _token_room(self, t: int, num_non_draft: I64) -> int | None:
+        """Draft tokens the engine's token limit leaves room for in step ``t`` (``None``: no limit)."""
+        cfg = self.cfg
+        room = None
+        if cfg.max_batch_tokens is not None:
+            room = max(0, int(cfg.max_batch_tokens) - int(num_non_draft.sum()))
+        if cfg.squeeze_every and t % cfg.squeeze_every == cfg.squeeze_every - 1:
+            room = 0
+        return room
+
+    def _apply_checked(
+        self,
+        t: int,
+        stream: int,
+        logits: torch.Tensor,
+        mrow: I64,
+        bm_np: npt.NDArray[np.int32],
+        apply: Callable[[], None],
+    ) -> float:
+        """Run ``apply`` (the masking), timed, and check a few masked rows column by column.
+
+        ``mrow[i]`` is the mask row of logits row ``i`` (-1: unmasked); up to
+        ``check_rows`` of the masked rows are drawn from the seeded ``stream``.
+        Returns the seconds ``apply`` took.
+        """
+        cfg, V = self.cfg, self.V
+        # Keep a few masked rows' raw values to check the kernel column by column.
+        check = np.nonzero(mrow >= 0)[0]
+        if check.size > cfg.check_rows:
+            pick = hash64(cfg.seed, stream, t, np.arange(cfg.check_rows)) % np.uint64(check.size)
+            check = check[pick.astype(np.int64)]
+        before = logits[torch.from_numpy(check)].clone() if check.size else None
+        a0 = time.perf_counter()
+        apply()
+        apply_s = time.perf_counter() - a0
+        if before is not None:
+            after = logits[torch.from_numpy(check)]
+            for i, row in enumerate(check.tolist()):
+                allowed_row = torch.from_numpy(_row_allowed(bm_np[mrow[row]], V))
+                if not torch.equal(torch.where(allowed_row, before[i], float("-inf")), after[i]):
+                    self._fail(t, f"logits row {row} not masked exactly by mask row {int(mrow[row])}")
+        return apply_s
+
+    def _emit(
+        self, batch: _Step, a: _Active, toks: list[int], mask_rows: I64 | None, bm_np: npt.NDArray[np.int32]
+    ) -> tuple[bool, bool]:
+        """Emit ``toks`` for request ``a``: check them against their mask rows, commit them, extend the output.
+
+        ``mask_rows[i]`` is the mask row that allowed ``toks[i]`` (grammar
+        requests). Returns ``(finished, stopped)``: the request ended, on its
+        stop token or at its token limit.
+        """
+        t = batch.t
+        if a.matcher is not None and mask_rows is not None:
+            if not np.all(_bits(bm_np, mask_rows, np.asarray(toks, dtype=np.int64))):
+                self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
+            c0 = time.perf_counter()
+            took = commit(a.matcher, toks)
+            batch.host_s += time.perf_counter() - c0
+            if took != len(toks):
+                self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
+        start = len(a.output)
+        if a.on_track:
+            seg = a.prep.ref[start : start + len(toks)]
+            a.on_track = seg.shape[0] == len(toks) and bool(np.array_equal(seg, toks))
+        a.output.extend(toks)
+        a.prefilled = True
+        stopped = bool(toks) and toks[-1] == self.eos
+        finished = stopped or len(a.output) >= a.prep.max_tokens
+        if finished and a.matcher is not None and stopped and not a.matcher.is_terminated():
+            self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
+        return finished, stopped
+
     # -------------------------------------------------------------------- stages
     def _tempting_tokens(
         self, bm_np: npt.NDArray[np.int32], mrow: I64, eligible: npt.NDArray[np.bool_], rids: I64, out_pos: I64
@@ -555,29 +684,10 @@ class Simulation:
     def _draft(self, t: int) -> _Batch:
         """Stage 2: the running requests' state, the scheduled layout and up to ``K`` drafts each."""
         cfg, K = self.cfg, self.K
-        act = self.active
-        n = len(act)
-        rid = np.fromiter((a.prep.spec.index for a in act), dtype=np.int64, count=n)
-        slots = np.fromiter((a.slot for a in act), dtype=np.int64, count=n)
-        length = np.fromiter((len(a.output) for a in act), dtype=np.int64, count=n)
-        prefill = np.fromiter((not a.prefilled for a in act), dtype=bool, count=n)
-        on_track = np.fromiter((a.on_track for a in act), dtype=bool, count=n)
-        limit = np.fromiter((a.prep.max_tokens for a in act), dtype=np.int64, count=n)
-        prompt = np.fromiter((a.prep.spec.prompt_len for a in act), dtype=np.int64, count=n)
-        skill = np.fromiter((a.prep.spec.skill for a in act), dtype=np.float64, count=n)
-        sampled = np.fromiter((a.prep.spec.sampled for a in act), dtype=bool, count=n)
-        has_g = np.fromiter((a.matcher is not None for a in act), dtype=bool, count=n)
-
-        # Reference window: window[r, j] is the reference token j places past the output.
-        width = K + 2
-        window = np.empty((n, width), dtype=np.int64)
-        for r, a in enumerate(act):
-            ref = a.prep.ref
-            idx = np.minimum(length[r] + np.arange(width), ref.shape[0] - 1)
-            window[r] = ref[idx]
-
+        q = self._requests(K + 2)
+        rid, length, prefill, limit, window = q.rid, q.length, q.prefill, q.limit, q.window
         num_drafts = np.where(prefill, 0, np.clip(np.minimum(K, limit - length - 1), 0, None)).astype(np.int64)
-        num_non_draft = np.where(prefill, prompt, 1).astype(np.int64)
+        num_non_draft = np.where(prefill, q.prompt, 1).astype(np.int64)
         layout = ScheduledLayout(rid, num_drafts, num_non_draft)
         d = draft(
             cfg.seed,
@@ -585,8 +695,8 @@ class Simulation:
             length,
             window,
             num_drafts,
-            skill,
-            sampled,
+            q.skill,
+            q.sampled,
             self.structural,
             self.first_token,
             self.V,
@@ -594,8 +704,8 @@ class Simulation:
         )
         live_cols = np.arange(d.tokens.shape[1])[None, :] < num_drafts[:, None]
         return _Batch(
-            t, act, rid, slots, length, prefill, on_track, sampled, has_g, window, num_drafts, num_non_draft, layout, d,
-            live_cols,
+            t, self.active, rid, q.slots, length, prefill, q.on_track, q.sampled, q.has_g, window, num_drafts,
+            num_non_draft, layout, d, live_cols,
         )  # fmt: skip
 
     def _fill_masks(self, batch: _Batch) -> _Masks:
@@ -613,7 +723,7 @@ class Simulation:
         batch.mask_s = spent
         return _Masks(g_idx, num_rows, bitmask, dm, mapping)
 
-    def _forward_ms(self, batch: _Batch, b: int) -> float:
+    def _forward_ms(self, batch: _Step, b: int) -> float:
         """The cost model's time for the step's forward passes: verify, plus the drafter when drafts were made."""
         ms = float(self.cost.verify_ms(int(batch.num_non_draft.sum()) + b))
         if batch.layout.total_drafts:
@@ -651,14 +761,10 @@ class Simulation:
 
         ``masks`` is None when the rows are still being produced (schedulers that do not read them).
         """
-        cfg, K, t, n = self.cfg, self.K, batch.t, len(batch.act)
+        K, t, n = self.K, batch.t, len(batch.act)
         h0 = time.perf_counter()
         stale = self.hist.stale(batch.slots)[:, : max(K, 1)]
-        room = None
-        if cfg.max_batch_tokens is not None:
-            room = max(0, int(cfg.max_batch_tokens) - int(batch.num_non_draft.sum()))
-        if cfg.squeeze_every and t % cfg.squeeze_every == cfg.squeeze_every - 1:
-            room = 0
+        room = self._token_room(t, batch.num_non_draft)
         max_logits = None if room is None else n * batch.layout.num_bonus + room
         view = StepView(
             batch.layout,
@@ -740,24 +846,13 @@ class Simulation:
         tempt = self._tempting_tokens(bm_np, mrow, prefix_ok, rid[row_req], out_pos)
         logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
 
-        # Keep a few masked rows' raw values to check the kernel column by column.
-        check = np.nonzero(mrow >= 0)[0]
-        if check.size > cfg.check_rows:
-            check = check[(hash64(cfg.seed, 99, t, np.arange(cfg.check_rows)) % np.uint64(check.size)).astype(np.int64)]
-        before = logits[torch.from_numpy(check)].clone() if check.size else None
+        def apply() -> None:
+            if masks.num_rows:
+                apply_grammar_bitmask(
+                    logits, masks.bitmask, masks.mapping, budget.cu, vocab_size=V, backend=cfg.backend
+                )
 
-        a0 = time.perf_counter()
-        if masks.num_rows:
-            apply_grammar_bitmask(logits, masks.bitmask, masks.mapping, budget.cu, vocab_size=V, backend=cfg.backend)
-        apply_s = time.perf_counter() - a0
-
-        if before is not None:
-            after = logits[torch.from_numpy(check)]
-            for i, row in enumerate(check.tolist()):
-                allowed_row = torch.from_numpy(_row_allowed(bm_np[mrow[row]], V))
-                ok_row = torch.equal(torch.where(allowed_row, before[i], float("-inf")), after[i])
-                if not ok_row:
-                    self._fail(t, f"logits row {row} not masked exactly by mask row {int(mrow[row])}")
+        apply_s = self._apply_checked(t, 99, logits, mrow, bm_np, apply)
         return _Rows(logits, row_req, row_pos, out_pos, g_of, g_start, bm_np, apply_s)
 
     def _verify(self, batch: _Batch, masks: _Masks, budget: _Budget, rows: _Rows) -> tuple[I64, I64]:
@@ -840,7 +935,7 @@ class Simulation:
 
         Returns the tokens emitted and the finished requests as ``(batch row, stopped)``.
         """
-        t, d = batch.t, batch.drafts
+        d = batch.drafts
         finished: list[tuple[int, bool]] = []
         emitted_total = 0
         for r, a in enumerate(batch.act):
@@ -848,29 +943,11 @@ class Simulation:
             if self.eos in toks:
                 toks = toks[: toks.index(self.eos) + 1]
             toks = toks[: max(0, a.prep.max_tokens - len(a.output))]
-            if a.matcher is not None:
-                g = rows.g_of[r]
-                rws = rows.g_start[g] + np.arange(len(toks))
-                if not np.all(_bits(rows.bm_np, rws, np.asarray(toks, dtype=np.int64))):
-                    self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
-                c0 = time.perf_counter()
-                took = commit(a.matcher, toks)
-                batch.host_s += time.perf_counter() - c0
-                if took != len(toks):
-                    self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
-            ref = a.prep.ref
-            start = len(a.output)
-            if a.on_track:
-                seg = ref[start : start + len(toks)]
-                a.on_track = seg.shape[0] == len(toks) and bool(np.array_equal(seg, toks))
-            a.output.extend(toks)
-            a.prefilled = True
+            mask_rows = rows.g_start[rows.g_of[r]] + np.arange(len(toks)) if a.matcher is not None else None
+            done, stopped = self._emit(batch, a, toks, mask_rows, rows.bm_np)
             emitted_total += len(toks)
-            stopped = bool(toks) and toks[-1] == self.eos
-            if stopped or len(a.output) >= a.prep.max_tokens:
+            if done:
                 finished.append((r, stopped))
-                if a.matcher is not None and stopped and not a.matcher.is_terminated():
-                    self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
 
         decode = ~batch.prefill
         rid, cap = batch.rid, budget.cap
@@ -883,7 +960,7 @@ class Simulation:
         batch.host_s += time.perf_counter() - o0
         return emitted_total, finished
 
-    def _retire(self, batch: _Batch, finished: list[tuple[int, bool]]) -> None:
+    def _retire(self, batch: _Step, finished: list[tuple[int, bool]]) -> None:
         """Stage 7b: validate the finished outputs and free their slots."""
         res = self.result
         for r, stopped in finished:
@@ -913,7 +990,38 @@ class Simulation:
         finished: int,
     ) -> None:
         """Simulated time, counters and the ``step_end`` hook."""
-        res, b, total = self.result, budget.b, batch.layout.total_drafts
+        decode = ~batch.prefill
+        self._record(
+            batch,
+            budget.b,
+            budget.regime,
+            int(budget.view.cap),
+            accepted=int(n_acc[decode].sum()),
+            emitted=emitted,
+            finished=finished,
+            grammar_requests=int(masks.g_idx.size),
+            mask_rows=masks.num_rows,
+            logits_rows=int(budget.cu_np[-1]),
+            apply_s=rows.apply_s,
+        )
+
+    def _record(
+        self,
+        batch: _Step,
+        b: int,
+        regime: str,
+        cap_max: int,
+        *,
+        accepted: int,
+        emitted: int,
+        finished: int,
+        grammar_requests: int,
+        mask_rows: int,
+        logits_rows: int,
+        apply_s: float,
+    ) -> None:
+        """Add one step to the result (simulated time, counters) and tell the ``step_end`` hook."""
+        res, total = self.result, batch.layout.total_drafts
         decode = ~batch.prefill
         step_ms = self._forward_ms(batch, b)
         res.steps += 1
@@ -925,31 +1033,31 @@ class Simulation:
         res.serial_ms += serial
         res.overlap_ms += serial if batch.ready_s is None else 1e3 * batch.ready_s
         res.bound_ms += max(step_ms, 1e3 * batch.mask_s)
-        res.regimes[budget.regime] += 1
+        res.regimes[regime] += 1
         res.zero_trimmed += int(b == 0 and total > 0)
         res.verified += b
-        res.accepted += int(n_acc[decode].sum())
+        res.accepted += accepted
         res.verify_events += int(decode.sum())
         res.host_s += batch.host_s
-        res.apply_s += rows.apply_s
+        res.apply_s += apply_s
         res.budgets.append(b)
-        res.max_budgets.append(int(budget.view.cap))
+        res.max_budgets.append(cap_max)
         self.registry.step_end(
             {
                 "step": batch.t,
                 "scheduler": self.name,
                 "num_requests": len(batch.act),
-                "num_grammar_requests": int(masks.g_idx.size),
+                "num_grammar_requests": grammar_requests,
                 "scheduled_drafts": total,
                 "budget": b,
-                "regime": budget.regime,
-                "mask_rows": masks.num_rows,
-                "logits_rows": int(budget.cu_np[-1]),
+                "regime": regime,
+                "mask_rows": mask_rows,
+                "logits_rows": logits_rows,
                 "emitted": emitted,
                 "finished": finished,
                 "sim_ms": step_ms,
                 "host_us": batch.host_s * 1e6,
-                "apply_us": rows.apply_s * 1e6,
+                "apply_us": apply_s * 1e6,
             }
         )
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -52,13 +52,12 @@ from ..budget import CostModel
 from ..compaction import regime_of
 from ..dispatch import apply_grammar_bitmask
 from ..errors import BudgetError
-from ..grammar import commit
 from ..grammar_trees import fill_tree_masks
 from ..layout import GrammarRows, RowMapping, ScheduledLayout
 from ..trees import DraftTree, TreeCompaction, TreeMasks, allocate_tree, choose_tree_budget, compact_tree
 from ..trees import select_subtree as host_select_subtree
-from .engine import RunResult, SimConfig, Simulation, Workload, _bits, _row_allowed
-from .models import TargetModel, hash64
+from .engine import RunResult, SimConfig, Simulation, Workload
+from .models import TargetModel
 from .tree_drafter import TreeConfig, TreeDrafts, draft_trees
 
 __all__ = ["TREE_INNER", "TREE_PREFIX", "TREE_SCHEDULERS", "TreeSimulation", "is_tree_scheduler"]
@@ -96,6 +95,8 @@ class _TreeBatch:
     tree: DraftTree
     host_s: float = 0.0
     mask_s: float = 0.0
+    #: tree steps do not overlap mask production with the forward pass
+    ready_s: float | None = None
 
 
 @dataclass
@@ -164,41 +165,27 @@ class TreeSimulation(Simulation):
         logits = self._tree_logits(batch, masks, budget)
         paths, final = self._tree_verify(batch, masks, budget, logits)
         emitted, finished = self._tree_commit(batch, masks, paths, final)
-        self._retire(cast(Any, batch), finished)
+        self._retire(batch, finished)
         self._tree_account(batch, masks, budget, paths, emitted, len(finished))
 
     # ------------------------------------------------------------------ stages
     def _tree_draft(self, t: int) -> _TreeBatch:
-        cfg, act = self.cfg, self.active
-        n = len(act)
-        rid = np.fromiter((a.prep.spec.index for a in act), dtype=np.int64, count=n)
-        slots = np.fromiter((a.slot for a in act), dtype=np.int64, count=n)
-        length = np.fromiter((len(a.output) for a in act), dtype=np.int64, count=n)
-        prefill = np.fromiter((not a.prefilled for a in act), dtype=bool, count=n)
-        on_track = np.fromiter((a.on_track for a in act), dtype=bool, count=n)
-        limit = np.fromiter((a.prep.max_tokens for a in act), dtype=np.int64, count=n)
-        prompt = np.fromiter((a.prep.spec.prompt_len for a in act), dtype=np.int64, count=n)
-        skill = np.fromiter((a.prep.spec.skill for a in act), dtype=np.float64, count=n)
-        has_g = np.fromiter((a.matcher is not None for a in act), dtype=bool, count=n)
-        width = self.levels + 2
-        window = np.empty((n, width), dtype=np.int64)
-        for r, a in enumerate(act):
-            ref = a.prep.ref
-            window[r] = ref[np.minimum(length[r] + np.arange(width), ref.shape[0] - 1)]
-        levels = np.where(prefill, 0, np.clip(np.minimum(self.levels, limit - length - 1), 0, None)).astype(np.int64)
+        q = self._requests(self.levels + 2)
+        rid, length, prefill, on_track, window = q.rid, q.length, q.prefill, q.on_track, q.window
+        levels = np.where(prefill, 0, np.clip(np.minimum(self.levels, q.limit - length - 1), 0, None)).astype(np.int64)
         d = draft_trees(
-            cfg.seed, rid, length, window, levels, on_track, skill, self.structural, self.first_token, self.V,
+            self.cfg.seed, rid, length, window, levels, on_track, q.skill, self.structural, self.first_token, self.V,
             self.eos, self.tree_cfg,
         )  # fmt: skip
         num_drafts = d.num_nodes
-        num_non_draft = np.where(prefill, prompt, 1).astype(np.int64)
+        num_non_draft = np.where(prefill, q.prompt, 1).astype(np.int64)
         h0 = time.perf_counter()
         layout = ScheduledLayout(rid, num_drafts, num_non_draft)
         tree = DraftTree(layout, d.parents)
         host = time.perf_counter() - h0
         return _TreeBatch(
-            t, act, rid, slots, length, prefill, on_track, has_g, window, num_drafts, num_non_draft, layout, d, tree,
-            host_s=host,
+            t, self.active, rid, q.slots, length, prefill, on_track, q.has_g, window, num_drafts, num_non_draft, layout,
+            d, tree, host_s=host,
         )  # fmt: skip
 
     def _tree_masks(self, batch: _TreeBatch) -> _TreeMasks:
@@ -228,13 +215,9 @@ class TreeSimulation(Simulation):
         return _TreeMasks(g_idx, num_rows, bitmask, tm, mapping, g_start)
 
     def _tree_budget(self, batch: _TreeBatch, masks: _TreeMasks) -> _TreeBudget:
-        cfg, t, n, lay = self.cfg, batch.t, len(batch.act), batch.layout
+        n, lay = len(batch.act), batch.layout
         h0 = time.perf_counter()
-        room = None
-        if cfg.max_batch_tokens is not None:
-            room = max(0, int(cfg.max_batch_tokens) - int(batch.num_non_draft.sum()))
-        if cfg.squeeze_every and t % cfg.squeeze_every == cfg.squeeze_every - 1:
-            room = 0
+        room = self._token_room(batch.t, batch.num_non_draft)
         max_logits = None if room is None else n * lay.num_bonus + room
         cap_max = lay.total_drafts if room is None else min(lay.total_drafts, room)
         # The live confidences as the device holds them (fp32), read back for the host-side choices.
@@ -339,20 +322,11 @@ class TreeSimulation(Simulation):
         tempt = self._tempting_tokens(bm_np, mrow, on_ref, rid[row_req], out_pos)
         logits = self.target.logits(rid[row_req], out_pos, preferred, tempt)
 
-        check = np.nonzero(mrow >= 0)[0]
-        if check.size > cfg.check_rows:
-            check = check[(hash64(cfg.seed, 98, t, np.arange(cfg.check_rows)) % np.uint64(check.size)).astype(np.int64)]
-        before = logits[torch.from_numpy(check)].clone() if check.size else None
-        a0 = time.perf_counter()
-        if masks.num_rows:
-            apply_grammar_bitmask(logits, masks.bitmask, budget.live_map, cu_np, vocab_size=V, backend=cfg.backend)
-        self._apply_s = time.perf_counter() - a0
-        if before is not None:
-            after = logits[torch.from_numpy(check)]
-            for i, row in enumerate(check.tolist()):
-                allowed_row = torch.from_numpy(_row_allowed(bm_np[mrow[row]], V))
-                if not torch.equal(torch.where(allowed_row, before[i], float("-inf")), after[i]):
-                    self._fail(t, f"logits row {row} not masked exactly by mask row {int(mrow[row])}")
+        def apply() -> None:
+            if masks.num_rows:
+                apply_grammar_bitmask(logits, masks.bitmask, budget.live_map, cu_np, vocab_size=V, backend=cfg.backend)
+
+        self._apply_s = self._apply_checked(t, 98, logits, mrow, bm_np, apply)
         return logits
 
     def _tree_verify(
@@ -392,7 +366,6 @@ class TreeSimulation(Simulation):
     def _tree_commit(
         self, batch: _TreeBatch, masks: _TreeMasks, paths: list[list[int]], final: I64
     ) -> tuple[int, list[tuple[int, bool]]]:
-        t = batch.t
         finished: list[tuple[int, bool]] = []
         emitted_total = 0
         bm_np = masks.bitmask.numpy()
@@ -407,27 +380,11 @@ class TreeSimulation(Simulation):
                 toks, checkers = toks[:cut], checkers[:cut]
             keep_n = max(0, a.prep.max_tokens - len(a.output))
             toks, checkers = toks[:keep_n], checkers[:keep_n]
-            if a.matcher is not None:
-                rws = masks.g_start[g_of[r]] + np.asarray(checkers, dtype=np.int64)
-                if not np.all(_bits(bm_np, rws, np.asarray(toks, dtype=np.int64))):
-                    self._fail(t, f"request {a.prep.spec.index} emitted a token its mask row forbids: {toks}")
-                c0 = time.perf_counter()
-                took = commit(a.matcher, toks)
-                batch.host_s += time.perf_counter() - c0
-                if took != len(toks):
-                    self._fail(t, f"request {a.prep.spec.index}: the grammar took {took} of emitted {toks}")
-            start = len(a.output)
-            if a.on_track:
-                seg = a.prep.ref[start : start + len(toks)]
-                a.on_track = seg.shape[0] == len(toks) and bool(np.array_equal(seg, toks))
-            a.output.extend(toks)
-            a.prefilled = True
+            mask_rows = masks.g_start[g_of[r]] + np.asarray(checkers, dtype=np.int64) if a.matcher is not None else None
+            done, stopped = self._emit(batch, a, toks, mask_rows, bm_np)
             emitted_total += len(toks)
-            stopped = bool(toks) and toks[-1] == self.eos
-            if stopped or len(a.output) >= a.prep.max_tokens:
+            if done:
                 finished.append((r, stopped))
-                if a.matcher is not None and stopped and not a.matcher.is_terminated():
-                    self._fail(t, f"request {a.prep.spec.index} stopped but its matcher is not terminated")
         return emitted_total, finished
 
     def _tree_account(
@@ -439,50 +396,22 @@ class TreeSimulation(Simulation):
         emitted: int,
         finished: int,
     ) -> None:
-        res, b, total = self.result, budget.b, batch.layout.total_drafts
+        """Simulated time, counters and the ``step_end`` hook, as chain steps record them.
+
+        The forward-pass cost is the chain steps' (verify the kept tokens, plus
+        the drafter when it drafted); mask production is not overlapped with it.
+        """
         decode = ~batch.prefill
-        # The same forward-pass cost as chain steps: verify the kept tokens, plus the drafter when it drafted.
-        step_ms = float(self.cost.verify_ms(int(batch.num_non_draft.sum()) + b))
-        if total:
-            step_ms += float(self.cost.draft_ms(int(decode.sum())))
-        mask_ms = 1e3 * batch.mask_s
-        res.steps += 1
-        res.tokens += emitted
-        res.sim_ms += step_ms
-        # Mask production is not overlapped with the forward pass in tree runs.
-        for name, value in (
-            ("forward_ms", step_ms),
-            ("mask_ms", mask_ms),
-            ("serial_ms", mask_ms + step_ms),
-            ("overlap_ms", mask_ms + step_ms),
-            ("bound_ms", max(step_ms, mask_ms)),
-        ):
-            if hasattr(res, name):
-                setattr(res, name, getattr(res, name) + value)
-        res.regimes[budget.regime] += 1
-        res.zero_trimmed += int(b == 0 and total > 0)
-        res.verified += b
-        res.accepted += sum(len(p) for r, p in enumerate(paths) if decode[r])
-        res.verify_events += int(decode.sum())
-        res.host_s += batch.host_s
-        res.apply_s += self._apply_s
-        res.budgets.append(b)
-        res.max_budgets.append(budget.cap_max)
-        self.registry.step_end(
-            {
-                "step": batch.t,
-                "scheduler": self.name,
-                "num_requests": len(batch.act),
-                "num_grammar_requests": int(masks.g_idx.size),
-                "scheduled_drafts": total,
-                "budget": b,
-                "regime": budget.regime,
-                "mask_rows": masks.num_rows,
-                "logits_rows": int(budget.comp.cu_logits[-1]),
-                "emitted": emitted,
-                "finished": finished,
-                "sim_ms": step_ms,
-                "host_us": batch.host_s * 1e6,
-                "apply_us": self._apply_s * 1e6,
-            }
+        self._record(
+            batch,
+            budget.b,
+            budget.regime,
+            budget.cap_max,
+            accepted=sum(len(p) for r, p in enumerate(paths) if decode[r]),
+            emitted=emitted,
+            finished=finished,
+            grammar_requests=int(masks.g_idx.size),
+            mask_rows=masks.num_rows,
+            logits_rows=int(budget.comp.cu_logits[-1]),
+            apply_s=self._apply_s,
         )
