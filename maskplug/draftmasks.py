@@ -6,14 +6,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from .errors import BudgetError
+from .errors import BudgetError, GrammarError
 from .layout import ScheduledLayout
 
 __all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field"]
@@ -30,11 +32,24 @@ class DraftMasks:
         forced: ``forced[g, p]`` is True when mask row ``p`` of grammar
             request ``g`` allows exactly one token (shape: grammar requests ×
             max rows; rows past a request's own count are False).
+        failed: the grammar requests this step could not serve, by batch
+            index (the numbers of ``request``): each maps to the
+            :class:`~maskplug.errors.GrammarError` saying what went wrong (a
+            draft id outside the vocabulary, an exception inside the
+            request's matcher, a matcher that could not be rolled back). A
+            failed request's rows allow only its stop tokens, its
+            ``acceptable`` is 0 and its ``forced`` row is all False; the
+            other requests are served as if it were not in the batch. Empty
+            (a read-only mapping) when every request was served.
     """
 
     request: npt.NDArray[np.int64]
     acceptable: npt.NDArray[np.int64]
     forced: npt.NDArray[np.bool_]
+    failed: Mapping[int, GrammarError] = field(default_factory=lambda: _NO_FAILURES)
+
+
+_NO_FAILURES: Mapping[int, GrammarError] = MappingProxyType({})
 
 
 def frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -67,7 +82,8 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
     :class:`~maskplug.StepView`, hence :func:`~maskplug.allocate_step`):
     ``request`` unique batch indices of ``layout``, ``acceptable`` one count
     in ``[0, num_drafts]`` per grammar request, ``forced`` a 2-D bool array
-    with one row per grammar request. Fields may be numpy arrays, sequences or
+    with one row per grammar request, ``failed`` a mapping keyed by batch
+    indices of ``request``. Fields may be numpy arrays, sequences or
     host tensors. Anything else raises :class:`~maskplug.BudgetError` naming
     the field (``grammar.request`` and so on).
     """
@@ -102,8 +118,22 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
     forced = host_field(f"{arg}.forced", grammar.forced, "b", f"a bool array of shape ({g}, rows)")
     if forced.ndim != 2 or forced.shape[0] != g:
         raise BudgetError(f"{arg}.forced: expected a bool array of shape ({g}, rows), got shape {forced.shape}")
+    failed = grammar.failed
+    if not isinstance(failed, Mapping):
+        raise BudgetError(
+            f"{arg}.failed: expected a mapping of batch index to GrammarError, got {type(failed).__name__}"
+        )
+    if failed:
+        known = set(req.tolist())
+        for key in failed:
+            if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or int(key) not in known:
+                raise BudgetError(f"{arg}.failed: expected batch indices of {arg}.request as keys, got {key!r:.80}")
+        failed = MappingProxyType({int(k): v for k, v in failed.items()})
+    elif not isinstance(failed, MappingProxyType):
+        failed = _NO_FAILURES
     return DraftMasks(
         request=frozen(req),
         acceptable=frozen(acc),
         forced=frozen(forced.astype(bool, copy=False)),
+        failed=failed,
     )

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .bases import CompileCache, MatcherBase, ProviderBase
 from .checks import check_bitmask, check_token
-from .draft import DraftMasksJob, commit, fill_draft_masks
+from .draft import CommitResult, DraftMasksJob, commit, commit_many, fill_draft_masks
 from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
 from .registry import grammar_provider, grammar_providers
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
@@ -36,6 +36,7 @@ __all__ = [
     "SPEC_KINDS",
     "BatchOps",
     "ChainOps",
+    "CommitResult",
     "CompileCache",
     "CompiledGrammar",
     "DraftMasksJob",
@@ -48,6 +49,7 @@ __all__ = [
     "check_bitmask",
     "check_token",
     "commit",
+    "commit_many",
     "fill_draft_masks",
     "grammar_provider",
     "grammar_providers",

@@ -23,9 +23,11 @@ state at all) what the generic walk does with one Python call per row.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, overload
 
 import numpy as np
@@ -39,8 +41,12 @@ from .checks import check_bitmask
 from .jobs import Claim, DraftMasksJob, claim, release
 from .pools import shared_pool
 from .protocols import BatchOps, ChainOps, Matcher
+from .rows import stop_row
 
-__all__ = ["DraftMasksJob", "commit", "fill_draft_masks"]
+__all__ = ["CommitResult", "DraftMasksJob", "commit", "commit_many", "fill_draft_masks"]
+
+logger = logging.getLogger("maskplug.draft")
+logger.addHandler(logging.NullHandler())
 
 IntArray = npt.NDArray[np.int64]
 _STRATEGIES = ("auto", "chains", "batch", "threads", "serial")
@@ -159,8 +165,9 @@ class _Walk:
     matcher accepted (``accepted``, rolled back afterwards), the drafts the
     grammar accepts (``acceptable``), which rows they wrote (``filled``) and
     the single-token flags a chain operation reported per bitmask row
-    (``row_forced``, valid where ``known``). Each walker touches only its own
-    requests' entries.
+    (``row_forced``, valid where ``known``) and the requests that failed
+    (``errors``, by grammar request; a failed request is never touched
+    again). Each walker touches only its own requests' entries.
     """
 
     matchers: Sequence[Matcher]
@@ -172,6 +179,8 @@ class _Walk:
     eos: Sequence[frozenset[int]]
     bitmask: torch.Tensor
     total: int
+    vocabs: Sequence[Any] = ()
+    errors: dict[int, GrammarError] = field(default_factory=dict)
     alive: npt.NDArray[np.bool_] = field(init=False)
     accepted: IntArray = field(init=False)
     acceptable: IntArray = field(init=False)
@@ -187,6 +196,8 @@ class _Walk:
         self.filled = np.zeros((g, int(self.need.max()) if g else 0), dtype=bool)
         self.row_forced = np.zeros(self.total, dtype=bool)
         self.known = np.zeros(self.total, dtype=bool)
+        for g in self.errors:
+            self.alive[g] = False
 
 
 def _walk_batched(w: _Walk, ops: BatchOps, members: IntArray) -> None:
@@ -268,23 +279,132 @@ def _walk_chains(w: _Walk, ops: ChainOps, members: list[int], threads: int) -> N
 
 
 def _walk_one(w: _Walk, g: int) -> None:
-    """Request-major walk of one request (each thread touches only its own entries)."""
+    """Request-major walk of one request, rolled back at the end (each thread touches only its own entries).
+
+    An exception from the matcher fails this request alone (:func:`_fail`).
+    """
     m, d, eos, bitmask = w.matchers[g], w.d[g], w.eos[g], w.bitmask
     nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
-    for p in range(need):
-        if p >= gate:
-            m.fill(bitmask, row0 + p)
-            w.filled[g, p] = True
-        if p >= nd or p < gate:
+    doing = "nothing"
+    try:
+        for p in range(need):
+            if p >= gate:
+                doing = f"fill of row {p}"
+                m.fill(bitmask, row0 + p)
+                w.filled[g, p] = True
+            if p >= nd or p < gate:
+                continue
+            t = int(d[p])
+            doing = f"accept of drafts[{g}][{p}] = {t}"
+            if not m.accept(t):
+                w.acceptable[g] = p
+                break
+            w.accepted[g] += 1
+            if t in eos:
+                w.acceptable[g] = p + 1
+                break
+    except Exception as exc:
+        _fail(w, g, exc, f"in its {doing}")
+        return
+    _rollback_one(w, g)
+
+
+def _fail(w: _Walk, g: int, exc: BaseException, doing: str) -> None:
+    """Fail request ``g`` for ``exc``: roll back what the walk accepted, record the error, never touch it again."""
+    w.alive[g] = False
+    k = int(w.accepted[g])
+    w.accepted[g] = 0
+    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {_brief(exc)}"
+    if k:
+        try:
+            w.matchers[g].rollback(k)
+        except Exception as back:
+            msg += (
+                f"; rolling back the {k} drafts it had accepted then raised {type(back).__name__} "
+                f"({_brief(back)}): the matcher is not where it started and should be dropped"
+            )
+    err = GrammarError(msg)
+    err.__cause__ = exc
+    w.errors[g] = err
+
+
+def _rollback_one(w: _Walk, g: int, k: int | None = None) -> None:
+    """Undo the drafts request ``g`` accepted (``k``, default the walk's count); a failure fails the request."""
+    k = int(w.accepted[g]) if k is None else k
+    w.accepted[g] = 0
+    if k <= 0:
+        return
+    try:
+        w.matchers[g].rollback(k)
+    except Exception as exc:
+        w.alive[g] = False
+        err = GrammarError(
+            f"matchers[{g}]: rolling back the {k} drafts it accepted raised {type(exc).__name__} "
+            f"({_brief(exc)}): the matcher is not where it started and should be dropped"
+        )
+        err.__cause__ = exc
+        w.errors[g] = err
+
+
+def _brief(exc: BaseException) -> str:
+    """An exception's message on one line, cut to a readable length."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _counts(ms: Sequence[Matcher], members: Sequence[int]) -> list[int | None]:
+    """Each member's ``num_accepted`` where its matcher keeps one (None otherwise, or when asking fails)."""
+    out: list[int | None] = []
+    for g in members:
+        try:
+            n = getattr(ms[g], "num_accepted", None)
+        except Exception:
+            n = None
+        out.append(int(n) if isinstance(n, (int, np.integer)) and not isinstance(n, bool) else None)
+    return out
+
+
+def _unwind(w: _Walk, members: Sequence[int], base: Sequence[int | None]) -> None:
+    """After a batch operation raised: put each member back where it started, one matcher at a time.
+
+    Where the matcher keeps a count (``num_accepted``) the undo is what it
+    has now beyond its count before the walk; otherwise the walk's own count
+    (a batch operation that raises is taken to have moved none of the
+    matchers it was given).
+    """
+    now = _counts(w.matchers, members)
+    for g, b, n in zip(members, base, now, strict=True):
+        if g in w.errors:
             continue
-        t = int(d[p])
-        if not m.accept(t):
-            w.acceptable[g] = p
-            return
-        w.accepted[g] += 1
-        if t in eos:
-            w.acceptable[g] = p + 1
-            return
+        k = n - b if b is not None and n is not None and n >= b else int(w.accepted[g])
+        _rollback_one(w, g, k)
+
+
+def _redo_serially(w: _Walk, members: Sequence[int], what: str, exc: BaseException) -> None:
+    """Walk ``members`` again one request at a time after a batch operation over all of them raised ``exc``.
+
+    Their rows and bookkeeping start over; a request whose own walk raises
+    fails alone. Costs one serial walk per member (one Python call per row
+    and per draft), in this step only.
+    """
+    logger.warning(
+        "%s raised %s for %d grammar requests (%s); walking them one at a time",
+        what,
+        type(exc).__name__,
+        len(members),
+        _brief(exc),
+    )
+    for g in members:
+        if g in w.errors:
+            continue
+        w.alive[g] = True
+        w.accepted[g] = 0
+        w.acceptable[g] = w.nd[g]
+        w.filled[g] = False
+        r0, r1 = int(w.row0[g]), int(w.row0[g] + w.need[g])
+        w.known[r0:r1] = False
+        w.row_forced[r0:r1] = False
+        _walk_one(w, g)
 
 
 def _eos_sets(vocabs: Sequence[Any]) -> list[frozenset[int]]:
@@ -409,7 +529,10 @@ def _plan(
                 f"bitmask: expected a contiguous 2-D CPU int32 tensor with at least {total} rows, "
                 f"got {type(bitmask).__name__} {getattr(bitmask, 'shape', '')}"
             )
-        # One vectorised range check per distinct vocabulary (usually one).
+    # One vectorised range check per distinct vocabulary (usually one): a
+    # request with a draft id outside its vocabulary fails alone.
+    errors: dict[int, GrammarError] = {}
+    if total:
         by_vocab: dict[int, tuple[Any, list[int]]] = {}
         for g, v in enumerate(vocabs):
             if v is not None:
@@ -425,20 +548,26 @@ def _plan(
             sub = d[mem]
             bad = (cols[None, :] < nd[mem][:, None]) & ((sub < 0) | (sub >= v.vocab_size))
             if np.any(bad):
-                i, p = np.argwhere(bad)[0]  # row-major: the first request, then the first position
-                raise GrammarError(
-                    f"drafts[{int(mem[i])}][{int(p)}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
-                )
+                for i in np.flatnonzero(bad.any(axis=1)).tolist():
+                    p = int(np.argmax(bad[i]))  # the first bad position of this request
+                    errors[int(mem[i])] = GrammarError(
+                        f"drafts[{int(mem[i])}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
+                    )
 
-    walk = _Walk(ms, d, nd, need, gate, row0, _eos_sets(vocabs), bitmask, total)
+    walk = _Walk(ms, d, nd, need, gate, row0, _eos_sets(vocabs), bitmask, total, vocabs, errors)
     return _Plan(walk, keys, idx, row0, strategy, n_threads)
 
 
 def _produce(plan: _Plan) -> DraftMasks:
-    """Walk the checked plan: write the rows, restore the matchers (the caller holds them)."""
+    """Walk the checked plan: write the rows, restore the matchers (the caller holds them).
+
+    A request that fails (see :func:`fill_draft_masks`) gets the stop-only
+    rows and is reported in ``failed``; nothing raises for the batch.
+    """
     walk, strategy, n_threads, row0 = plan.walk, plan.strategy, plan.n_threads, plan.row0
     ms, gate, need, bitmask, total = walk.matchers, walk.gate, walk.need, walk.bitmask, walk.total
     g_count = len(ms)
+    errors = walk.errors
 
     # Group requests by their provider's batch operations; "threads" (or a
     # provider without batch operations) walks request by request instead.
@@ -450,6 +579,8 @@ def _produce(plan: _Plan) -> DraftMasks:
     # Whether each distinct batch_ops object is a ChainOps (asked once per object: the protocol check is slow).
     chain_ops: dict[int, bool] = {}
     for g, m in enumerate(ms):
+        if errors and g in errors:
+            continue
         ops = getattr(m, "batch_ops", None) if strategy in ("auto", "chains", "batch") else None
         if ops is None:
             single.append(g)
@@ -457,16 +588,40 @@ def _produce(plan: _Plan) -> DraftMasks:
         can_chain = chain_ops.get(id(ops))
         if can_chain is None:
             can_chain = chain_ops[id(ops)] = strategy != "batch" and isinstance(ops, ChainOps)
-        if can_chain and gate[g] < need[g] and not m.is_terminated():
-            chains.setdefault(id(ops), (ops, []))[1].append(g)
-        else:
-            groups.setdefault(id(ops), (ops, []))[1].append(g)
+        if can_chain and gate[g] < need[g]:
+            try:
+                live = not m.is_terminated()
+            except Exception as exc:
+                _fail(walk, g, exc, "in is_terminated()")
+                continue
+            if live:
+                chains.setdefault(id(ops), (ops, []))[1].append(g)
+                continue
+        groups.setdefault(id(ops), (ops, []))[1].append(g)
 
     try:
         for cops, members in chains.values():
-            _walk_chains(walk, cops, members, n_threads)
+            try:
+                _walk_chains(walk, cops, members, n_threads)
+            except Exception as exc:
+                # The chain operation leaves its matchers where they started, also on error.
+                _redo_serially(walk, members, f"{type(cops).__name__}.fill_chains", exc)
         for ops, members in groups.values():
-            _walk_batched(walk, ops, np.asarray(members, dtype=np.int64))
+            base = _counts(ms, members)
+            try:
+                _walk_batched(walk, ops, np.asarray(members, dtype=np.int64))
+            except Exception as exc:
+                _unwind(walk, members, base)
+                _redo_serially(walk, members, f"{type(ops).__name__} (position-major walk)", exc)
+                continue
+            back = [g for g in members if walk.accepted[g]]
+            if back:
+                try:
+                    ops.rollback([ms[g] for g in back], walk.accepted[back].tolist())
+                except Exception:
+                    _unwind(walk, back, [base[members.index(g)] for g in back])
+                else:
+                    walk.accepted[back] = 0
         if single:
             pooled = (
                 strategy != "serial"
@@ -486,16 +641,20 @@ def _produce(plan: _Plan) -> DraftMasks:
                 list(shared_pool(workers).map(chunk, parts))
             else:
                 chunk(single)
-    finally:
-        # Restore every matcher, whatever happened above.
-        for ops, members in groups.values():
-            back = [g for g in members if walk.accepted[g]]
-            if back:
-                ops.rollback([ms[g] for g in back], walk.accepted[back].tolist())
-        for g in single:
-            if walk.accepted[g]:
+    except BaseException:
+        # Interrupted (or a bug): restore every matcher still advanced, whatever happened above.
+        for g in np.flatnonzero(walk.accepted).tolist():
+            try:
                 ms[g].rollback(int(walk.accepted[g]))
+            except Exception:
+                pass
+            walk.accepted[g] = 0
+        raise
 
+    failed = sorted(errors)
+    if failed:
+        walk.filled[failed] = False
+        walk.acceptable[failed] = 0
     # Rows nobody filled are all-allowed; write only those (the filled ones hold masks).
     width = walk.filled.shape[1]
     forced = np.zeros((g_count, width), dtype=bool)
@@ -514,7 +673,34 @@ def _produce(plan: _Plan) -> DraftMasks:
             unknown = np.flatnonzero(~known)
             flags[unknown] = _forced_rows(bitmask, total, filled_rows[unknown])
         forced[gi, pi] = flags
-    return DraftMasks(request=plan.idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
+    if not failed:
+        return DraftMasks(request=plan.idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
+    _write_stop_rows(walk, failed)
+    return DraftMasks(
+        request=plan.idx.astype(np.int64),
+        acceptable=walk.acceptable.astype(np.int64),
+        forced=forced,
+        failed=MappingProxyType({int(plan.idx[g]): errors[g] for g in failed}),
+    )
+
+
+def _write_stop_rows(w: _Walk, failed: Sequence[int]) -> None:
+    """Every row of each failed request (draft and bonus rows) allows only its vocabulary's stop tokens.
+
+    A matcher without a vocabulary takes the batch's first one; with none at
+    all, the rows allow nothing.
+    """
+    bm = w.bitmask.numpy()
+    fallback = next((v for v in w.vocabs if v is not None), None)
+    rows: dict[int, npt.NDArray[np.int32]] = {}
+    for g in failed:
+        v = w.vocabs[g] if g < len(w.vocabs) and w.vocabs[g] is not None else fallback
+        row = rows.get(id(v))
+        if row is None:
+            row = stop_row(v).numpy() if v is not None else np.zeros(bm.shape[1], dtype=np.int32)
+            rows[id(v)] = row
+        r0 = int(w.row0[g])
+        bm[r0 : r0 + int(w.need[g])] = row
 
 
 def _produce_restoring(plan: _Plan, held: Claim) -> DraftMasks:
@@ -562,6 +748,21 @@ def fill_draft_masks(
 ) -> DraftMasksJob: ...
 
 
+@overload
+def fill_draft_masks(
+    matchers: Sequence[Matcher],
+    drafts: Any,
+    bitmask: torch.Tensor,
+    rows: GrammarRows,
+    layout: ScheduledLayout,
+    *,
+    threads: int | None = ...,
+    active_from: Any = ...,
+    strategy: str = ...,
+    wait: bool,
+) -> DraftMasks | DraftMasksJob: ...
+
+
 def fill_draft_masks(
     matchers: Sequence[Matcher],
     drafts: Any,
@@ -585,12 +786,29 @@ def fill_draft_masks(
     later row is all-allowed. After an accepted stop token, later rows are
     all-allowed too. The matchers end exactly where they started.
 
-    Every argument is checked before the first row is written or a matcher
-    is touched; a bad one raises a :class:`~maskplug.MaskplugError` naming
-    it and leaves the bitmask and the matchers as they were. Should a
-    provider fail during the walk, its error propagates with the matchers
-    restored; the rows it had written by then are left as they are
-    (``wait=False`` restores them too, from a copy the job thread takes).
+    Every argument's structure is checked before the first row is written
+    or a matcher is touched (the bitmask's type, shape and width, the layout
+    and rows, the number of matchers and draft sequences, the drafts' dtype
+    and lengths, ``active_from``, ``threads``, ``strategy``); a bad one
+    raises a :class:`~maskplug.MaskplugError` naming it and leaves the
+    bitmask and the matchers as they were.
+
+    Fault isolation: one bad request never fails the batch. A request with a
+    draft id outside its vocabulary (or negative) is not walked at all; a
+    request whose matcher raises (in ``fill``, ``accept``,
+    ``is_terminated`` or ``rollback``, or from a sticky error state) is
+    rolled back and not touched again in this call. Either way only that
+    request fails: every one of its rows (draft and bonus rows) allows only
+    its stop tokens, its ``acceptable`` is 0, its ``forced`` row is False,
+    and :attr:`DraftMasks.failed` maps its batch index to a
+    :class:`~maskplug.GrammarError` (``drafts[g][p]: ...`` or
+    ``matchers[g]: ...``, the matcher's exception as ``__cause__``; the
+    message says when the matcher could not be rolled back and should be
+    dropped). Every other request's rows and fields are exactly those of the
+    same batch without the failed requests. When a provider's batch or chain
+    operation raises for many requests at once, those requests are walked
+    again one at a time (one Python call per row, in that step only), so that
+    only the request at fault fails.
 
     Threading contract: a matcher serves one call at a time. This call (and
     :func:`commit`) holds its matchers while it runs; a matcher that a call
@@ -659,6 +877,69 @@ def fill_draft_masks(
         release(held)
 
 
+def _token_array(tokens: Any, arg: str) -> IntArray:
+    """``tokens`` as a 1-D int64 array (an empty sequence included), else a :class:`GrammarError` naming ``arg``."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().cpu().tolist()
+    if isinstance(tokens, (str, bytes)) or tokens is None:
+        raise GrammarError(f"{arg}: expected a 1-D sequence of token ids, got {type(tokens).__name__}")
+    try:
+        toks = np.asarray(tokens)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(f"{arg}: expected a 1-D sequence of token ids, got {type(tokens).__name__}") from exc
+    if toks.ndim == 1 and toks.size == 0:
+        toks = toks.astype(np.int64)
+    if toks.ndim != 1 or toks.dtype.kind not in "iu":
+        raise GrammarError(f"{arg}: expected a 1-D sequence of token ids, got shape {toks.shape} {toks.dtype}")
+    return toks.astype(np.int64, copy=False)
+
+
+def _bad_token(matcher: Matcher, toks: IntArray, arg: str) -> GrammarError | None:
+    """The error for the first token id outside ``matcher``'s vocabulary, or None."""
+    vocab = getattr(matcher, "vocab", None)
+    if vocab is None or not toks.size:
+        return None
+    bad = (toks < 0) | (toks >= vocab.vocab_size)
+    if not np.any(bad):
+        return None
+    p = int(np.argmax(bad))
+    return GrammarError(f"{arg}[{p}]: expected a token id in [0, {vocab.vocab_size}), got {int(toks[p])}")
+
+
+def _advance(matcher: Matcher, toks: IntArray, arg: str) -> int:
+    """Feed ``toks`` to a held matcher up to termination or the first refusal; return how many it took.
+
+    An exception from the matcher becomes a :class:`GrammarError` naming
+    ``arg`` (the exception chained), after the tokens this call had taken are
+    rolled back; the message says when that rollback failed too.
+    """
+    taken = 0
+    doing = "is_terminated()"
+    try:
+        for t in toks.tolist():
+            doing = "is_terminated()"
+            if matcher.is_terminated():
+                break
+            doing = f"accept of tokens[{taken}] = {t}"
+            if not matcher.accept(int(t)):
+                break
+            taken += 1
+        return taken
+    except Exception as exc:
+        msg = f"{arg}: the matcher raised {type(exc).__name__} in its {doing}: {_brief(exc)}"
+        if taken:
+            try:
+                matcher.rollback(taken)
+            except Exception as back:
+                msg += (
+                    f"; rolling back the {taken} tokens it had taken then raised {type(back).__name__} "
+                    f"({_brief(back)}): the matcher is not where it started and should be dropped"
+                )
+            else:
+                msg += f"; the {taken} tokens it had taken were rolled back"
+        raise GrammarError(msg) from exc
+
+
 def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
     """Advance ``matcher`` by the tokens the step emitted; return how many it took.
 
@@ -666,39 +947,89 @@ def commit(matcher: Matcher, tokens: Sequence[int] | Any) -> int:
     token. Advancing stops at termination (a stop token) and at the first
     token the grammar refuses (which a correctly masked step never emits);
     the tokens after that point are not taken. Arguments are checked before
-    the matcher is touched. The matcher is held while it advances (see
-    :func:`fill_draft_masks`): one in use by a call on another thread is
-    refused with :class:`~maskplug.MatcherInUse`, and an unfinished
-    ``wait=False`` fill that holds it is waited for, so a step's commit
-    never races that step's fill.
+    the matcher is touched (a bad one raises :class:`GrammarError` naming
+    it). An exception from inside the matcher (an engine failure) is raised
+    as a :class:`GrammarError` naming ``matcher``, with the engine's
+    exception as its ``__cause__``, after the tokens this call had taken are
+    rolled back (the message says when that was not possible). The matcher
+    is held while it advances (see :func:`fill_draft_masks`): one in use by
+    a call on another thread is refused with :class:`~maskplug.MatcherInUse`,
+    and an unfinished ``wait=False`` fill that holds it is waited for, so a
+    step's commit never races that step's fill. :func:`commit_many` commits
+    a whole batch, failing only the requests that go wrong.
     """
     if not _MATCHER_TYPES.ok(matcher):
         raise GrammarError(f"matcher: expected a Matcher, got {type(matcher).__name__}")
-    if isinstance(tokens, torch.Tensor):
-        tokens = tokens.detach().cpu().tolist()
-    if isinstance(tokens, (str, bytes)) or tokens is None:
-        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got {type(tokens).__name__}")
-    try:
-        toks = np.asarray(tokens)
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got {type(tokens).__name__}") from exc
-    if toks.ndim == 1 and toks.size == 0:
-        toks = toks.astype(np.int64)
-    if toks.ndim != 1 or toks.dtype.kind not in "iu":
-        raise GrammarError(f"tokens: expected a 1-D sequence of token ids, got shape {toks.shape} {toks.dtype}")
-    vocab = getattr(matcher, "vocab", None)
-    if vocab is not None and toks.size:
-        bad = (toks < 0) | (toks >= vocab.vocab_size)
-        if np.any(bad):
-            p = int(np.argmax(bad))
-            raise GrammarError(f"tokens[{p}]: expected a token id in [0, {vocab.vocab_size}), got {int(toks[p])}")
+    toks = _token_array(tokens, "tokens")
+    bad = _bad_token(matcher, toks, "tokens")
+    if bad is not None:
+        raise bad
     held = claim((matcher,), [id(matcher)], "matcher")
     try:
-        taken = 0
-        for t in toks.tolist():
-            if matcher.is_terminated() or not matcher.accept(int(t)):
-                break
-            taken += 1
-        return taken
+        return _advance(matcher, toks, "matcher")
     finally:
         release(held)
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What :func:`commit_many` did, per request (in the order of the matchers given).
+
+    Attributes:
+        taken: tokens each matcher took (0 for a failed request).
+        failed: the requests that could not be committed, by index into the
+            matchers given, each with the :class:`GrammarError` saying why
+            (``tokens_per_request[i][p]: ...`` for a token id outside the
+            vocabulary, ``matchers[i]: ...`` for an exception from the
+            matcher). A failed request's matcher is where it was before the
+            call, unless the error says that rolling it back failed.
+    """
+
+    taken: tuple[int, ...]
+    failed: Mapping[int, GrammarError] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def commit_many(matchers: Sequence[Matcher], tokens_per_request: Sequence[Any]) -> CommitResult:
+    """:func:`commit` for a batch: ``matchers[i]`` advances by ``tokens_per_request[i]``.
+
+    Every request advances exactly as a single :func:`commit` would; one
+    whose tokens hold an id outside its vocabulary (or negative) is not
+    touched, and one whose matcher raises is rolled back to where it was
+    (where the matcher allows): either fails alone, reported in
+    :attr:`CommitResult.failed`, and the others are committed all the same.
+    Structural mistakes raise :class:`GrammarError` before any matcher is
+    touched: ``matchers`` not a sequence of distinct matchers, a different
+    number of token sequences, a token sequence that is not a 1-D sequence of
+    integers. All the matchers are held for the call (see
+    :func:`fill_draft_masks`).
+    """
+    if isinstance(matchers, (str, bytes)) or not isinstance(matchers, Sequence):
+        raise GrammarError(f"matchers: expected a sequence of matchers, got {type(matchers).__name__}")
+    if isinstance(tokens_per_request, (str, bytes, torch.Tensor)) or not isinstance(tokens_per_request, Sequence):
+        raise GrammarError(
+            f"tokens_per_request: expected one token sequence per matcher, got {type(tokens_per_request).__name__}"
+        )
+    ms, keys = _check_matchers(matchers, len(matchers))
+    if len(tokens_per_request) != len(ms):
+        raise GrammarError(
+            f"tokens_per_request: expected {len(ms)} token sequences (one per matcher), got {len(tokens_per_request)}"
+        )
+    toks = [_token_array(t, f"tokens_per_request[{i}]") for i, t in enumerate(tokens_per_request)]
+    errors: dict[int, GrammarError] = {}
+    for i, (m, t) in enumerate(zip(ms, toks, strict=True)):
+        bad = _bad_token(m, t, f"tokens_per_request[{i}]")
+        if bad is not None:
+            errors[i] = bad
+    taken = [0] * len(ms)
+    held = claim(ms, keys, "matchers")
+    try:
+        for i, (m, t) in enumerate(zip(ms, toks, strict=True)):
+            if i in errors:
+                continue
+            try:
+                taken[i] = _advance(m, t, f"matchers[{i}]")
+            except GrammarError as err:
+                errors[i] = err
+    finally:
+        release(held)
+    return CommitResult(tuple(taken), MappingProxyType(dict(sorted(errors.items()))))

@@ -3,10 +3,11 @@
 A serving loop is replayed twice, step by step: once synchronously on forked
 matchers (the reference), once with jobs, under interleavings hypothesis
 draws (commit before ``result()``, commit from another thread while the job
-runs, the next fill issued before the previous job is done, a job that
-fails). After every step the rows, the :class:`DraftMasks` and every
-matcher's state must be those of the reference; a failed job must leave the
-rows and the matchers as they were.
+runs, the next fill issued before the previous job is done, a matcher that
+raises inside a job, a job that is aborted). After every step the rows, the
+:class:`DraftMasks` and every matcher's state must be those of the
+reference; a matcher that raises fails its own request alone, and an aborted
+job must leave the rows and the matchers as they were.
 """
 
 from __future__ import annotations
@@ -25,19 +26,32 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_draft_safety import ALL_PROVIDERS, make_case
 
-from maskplug import DraftMasksJob, GrammarRows, MatcherInUse, ScheduledLayout, commit, fill_draft_masks
+from maskplug import (
+    DraftMasksJob,
+    GrammarError,
+    GrammarRows,
+    MatcherInUse,
+    ScheduledLayout,
+    commit,
+    fill_draft_masks,
+)
 from maskplug.grammar import Matcher
+from maskplug.grammar.rows import stop_row
+
+
+class Abort(BaseException):
+    """Not an engine error: what stops production altogether (as KeyboardInterrupt would)."""
 
 
 class Gated:
-    """A matcher whose ``fill`` waits for ``gate`` (and raises when ``fail`` is set): it holds a job in flight."""
+    """A matcher whose ``fill`` waits for ``gate`` (and raises ``fail`` when set): it holds a job in flight."""
 
     def __init__(self, inner: Matcher) -> None:
         self.inner = inner
         self.vocab = getattr(inner, "vocab", None)
         self.gate = threading.Event()
         self.gate.set()
-        self.fail = False
+        self.fail: type[BaseException] | None = None
 
     def accept(self, token: int) -> bool:
         return self.inner.accept(token)
@@ -50,8 +64,8 @@ class Gated:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         assert self.gate.wait(30)
-        if self.fail:
-            raise RuntimeError("the engine failed")
+        if self.fail is not None:
+            raise self.fail("the engine failed")
         return self.inner.fill(bitmask, row)
 
     def is_terminated(self) -> bool:
@@ -64,7 +78,7 @@ class Gated:
         return self.inner.fork()
 
 
-KINDS = ("sync", "job", "commit-first", "commit-thread", "next-fill-first", "fail")
+KINDS = ("sync", "job", "commit-first", "commit-thread", "next-fill-first", "fail", "abort")
 
 
 def _later(gate: threading.Event, seconds: float = 0.02) -> threading.Timer:
@@ -114,11 +128,29 @@ def test_jobs_match_the_synchronous_path_under_any_interleaving(provider: str, s
 
         took: list[int] = []
         if kind == "fail":
-            gated.fail = True
+            # The gated request alone fails: stop-only rows and ``failed``; the others as the reference.
+            gated.fail = RuntimeError
+            failed = fill_draft_masks(*args, wait=False).result(30)
+            gated.fail = None
+            assert list(failed.failed) == [3]
+            err = failed.failed[3]
+            assert isinstance(err, GrammarError) and isinstance(err.__cause__, RuntimeError)
+            assert str(err).startswith("matchers[3]: the matcher raised RuntimeError in its fill of row 0")
+            g3 = int(row0[3])
+            assert torch.equal(bm[:g3], ref_bm[:g3])
+            assert bool((bm[g3:total] == stop_row(v)).all())
+            assert torch.equal(bm[total:], before[total:])
+            assert np.array_equal(failed.acceptable, [*want.acceptable[:3], 0])
+            assert np.array_equal(failed.forced[:3], want.forced[:3]) and not failed.forced[3].any()
+            assert [state_of(m, v, [0]) for m in ms] == [state_of(t, v, [0]) for t in twins]
+            # The step is retried synchronously once the engine works again.
+            got = fill_draft_masks(*args)
+        elif kind == "abort":
+            gated.fail = Abort
             job = fill_draft_masks(*args, wait=False)
-            with pytest.raises(RuntimeError, match="the engine failed"):
+            with pytest.raises(Abort, match="the engine failed"):
                 job.result(30)
-            gated.fail = False
+            gated.fail = None
             assert job.done()
             assert torch.equal(bm, before), "a failed job left rows written"
             assert [state_of(m, v, [0]) for m in ms] == [state_of(t, v, [0]) for t in twins]

@@ -22,6 +22,7 @@ from grammar_testkit import PROVIDERS, REGEXES, compiled, random_walk, reference
 from test_grammar_sdk import WORDS, PrefixProvider
 
 from maskplug import (
+    DraftMasks,
     GrammarError,
     GrammarRows,
     GrammarSpec,
@@ -33,6 +34,7 @@ from maskplug import (
     fill_draft_masks,
 )
 from maskplug.grammar import Matcher, Vocab
+from maskplug.grammar.rows import stop_row
 
 ALL_PROVIDERS = [*PROVIDERS, "sdk-prefix"]
 STRATEGIES = ["auto", "chains", "batch", "threads", "serial"]
@@ -121,19 +123,8 @@ BAD_FILL: list[tuple[str, Callable[[Case], dict[str, Any]], type[MaskplugError],
     ("layout-dict", lambda c: {"layout": {}}, LayoutError, "layout"),
     # drafts
     ("drafts-short", lambda c: {"drafts": c.drafts[:2]}, LayoutError, "drafts"),
-    (
-        "drafts-out-of-vocab",
-        lambda c: {"drafts": [c.drafts[0], [c.v.vocab_size] * len(c.drafts[1]), c.drafts[2]]},
-        GrammarError,
-        "drafts[1][0]",
-    ),
-    (
-        "drafts-negative",
-        lambda c: {"drafts": [c.drafts[0], c.drafts[1], [-1] * len(c.drafts[2])]},
-        GrammarError,
-        "drafts[2][0]",
-    ),
     ("drafts-str", lambda c: {"drafts": "abc"}, LayoutError, "drafts"),
+    ("drafts-float", lambda c: {"drafts": [[0.5] * len(d) for d in c.drafts]}, LayoutError, "drafts[0]"),
     # bitmask
     ("bitmask-int64", lambda c: {"bitmask": c.bm.long()}, GrammarError, "bitmask"),
     ("bitmask-short", lambda c: {"bitmask": c.bm[:1]}, GrammarError, "row"),
@@ -155,6 +146,68 @@ def test_bad_fill_arguments_are_refused_before_any_write(
     refused(case, lambda: fill_draft_masks(**kwargs), exc, arg)
     # wait=False checks the same arguments in the call itself, before a job starts.
     refused(case, lambda: fill_draft_masks(**kwargs, wait=False), exc, arg)
+
+
+# ---------------------------------------------------------------- a bad draft id fails its request alone
+
+# (id, the drafts given the case, the request that fails, the error's start)
+BAD_IDS: list[tuple[str, Callable[[Case], list[list[int]]], int, Callable[[Case], str]]] = [
+    (
+        "out-of-vocab",
+        lambda c: [c.drafts[0], [c.v.vocab_size] * len(c.drafts[1]), c.drafts[2]],
+        1,
+        lambda c: f"drafts[1][0]: expected a token id in [0, {c.v.vocab_size}), got {c.v.vocab_size}",
+    ),
+    (
+        "negative-last",
+        lambda c: [c.drafts[0], c.drafts[1], [*c.drafts[2][:-1], -1]],
+        2,
+        lambda c: f"drafts[2][{len(c.drafts[2]) - 1}]: expected a token id in [0, {c.v.vocab_size}), got -1",
+    ),
+]
+
+
+@pytest.mark.parametrize("provider", ALL_PROVIDERS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(("name", "bad", "g", "msg"), BAD_IDS, ids=[c[0] for c in BAD_IDS])
+def test_a_bad_draft_id_fails_its_request_alone(
+    provider: str,
+    strategy: str,
+    name: str,
+    bad: Callable[[Case], list[list[int]]],
+    g: int,
+    msg: Callable[[Case], str],
+) -> None:
+    """Stop-only rows and ``failed`` for that request; the others as in the batch without it; no matcher moves."""
+    case = make_case(provider)
+    drafts = bad(case)
+    _, states0 = case.snapshot()
+    # The same batch without the bad request, for the others' rows.
+    keep = [i for i in range(3) if i != g]
+    ids = [f"r{i}" for i in keep]
+    lay = ScheduledLayout(ids, [len(case.drafts[i]) for i in keep], [1] * 2)
+    want_bm = case.v.new_bitmask(GrammarRows(ids).num_rows(lay))
+    want = fill_draft_masks([case.ms[i] for i in keep], [case.drafts[i] for i in keep], want_bm, GrammarRows(ids), lay)
+    stop = stop_row(case.v)
+    for wait in (True, False):
+        bm = case.bm.clone()
+        res = fill_draft_masks(**case.kwargs(drafts=drafts, bitmask=bm, strategy=strategy), wait=wait)
+        out = res if isinstance(res, DraftMasks) else res.result(30)
+        assert list(out.failed) == [g]
+        assert str(out.failed[g]).startswith(msg(case)), str(out.failed[g])
+        assert isinstance(out.failed[g], GrammarError)
+        row0 = np.concatenate([[0], np.cumsum([len(d) + 1 for d in case.drafts])])
+        for j, i in enumerate(keep):
+            n = len(case.drafts[i]) + 1
+            w0 = sum(len(case.drafts[k]) + 1 for k in keep[:j])
+            assert torch.equal(bm[row0[i] : row0[i] + n], want_bm[w0 : w0 + n])
+            assert int(out.acceptable[i]) == int(want.acceptable[j])
+            assert out.forced[i, :n].tolist() == want.forced[j, :n].tolist()
+        for p in range(len(case.drafts[g]) + 1):
+            assert torch.equal(bm[row0[g] + p], stop)
+        assert int(out.acceptable[g]) == 0 and not out.forced[g].any()
+        assert torch.equal(bm[row0[-1] :], case.bm[row0[-1] :]), "a row past the batch's was written"
+        assert case.snapshot()[1] == states0
 
 
 # ---------------------------------------------------------------- one matcher for two requests

@@ -165,8 +165,6 @@ def test_fill_draft_masks_bad_input_leaves_everything_untouched(provider: str) -
     bitmask = torch.zeros(rows.num_rows(layout), v.mask_words, dtype=torch.int32)
     walk = random_walk(ms[0], v, random.Random(1), 2, stop=False)
     cases = [
-        (ms, [walk, [5, v.vocab_size]], bitmask, GrammarError),  # token out of the vocabulary
-        (ms, [walk, [5, -1]], bitmask, GrammarError),
         (ms, [walk, [5]], bitmask, LayoutError),  # wrong draft count
         (ms[:1], [walk, walk], bitmask, LayoutError),  # one matcher short
         (ms, [walk, walk], bitmask[:, :-1].contiguous(), GrammarError),  # wrong width
@@ -184,6 +182,39 @@ def test_fill_draft_masks_bad_input_leaves_everything_untouched(provider: str) -
         fill_draft_masks(ms, [walk, walk], bitmask, rows, layout, strategy="gpu")
     with pytest.raises(LayoutError, match="active_from"):
         fill_draft_masks(ms, [walk, walk], bitmask, rows, layout, active_from=[0, -1])
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("bad", [-1, "vocab_size"])
+def test_a_draft_outside_the_vocabulary_fails_only_its_request(provider: str, bad: object) -> None:
+    """Not a batch-wide error: that request gets stop-only rows and is reported; the other is served as usual."""
+    v = vocab("spm")
+    c = compiled(provider, "spm", GrammarSpec("regex", REGEXES[0]))
+    ms = [c.matcher(), c.matcher()]
+    layout = ScheduledLayout([0, 1], [2, 2], [1, 1])
+    rows = GrammarRows([0, 1])
+    walk = random_walk(ms[0], v, random.Random(1), 2, stop=False)
+    walk += [5] * (2 - len(walk))
+    tok = v.vocab_size if bad == "vocab_size" else int(bad)  # type: ignore[call-overload]
+    states = [state_of(m, v, walk) for m in ms]
+    ref = reference_rows(ms[0], v, walk, 1, 0)
+    bitmask = torch.zeros(rows.num_rows(layout), v.mask_words, dtype=torch.int32)
+    out = fill_draft_masks(ms, [walk, [5, tok]], bitmask, rows, layout)
+    assert list(out.failed) == [1]
+    err = out.failed[1]
+    assert isinstance(err, GrammarError) and str(err).startswith(
+        f"drafts[1][1]: expected a token id in [0, {v.vocab_size}), got {tok}"
+    )
+    for p, want in enumerate(ref.rows):
+        np.testing.assert_array_equal(bitmask[p].numpy(), want)
+    stop = np.zeros(v.mask_words, dtype=np.int32)
+    for e in v.eos_ids:
+        stop[e >> 5] |= np.int32(np.uint32(1 << (e & 31)).view(np.int32))
+    for p in range(3):
+        np.testing.assert_array_equal(bitmask[3 + p].numpy(), stop)
+    assert out.acceptable.tolist() == [ref.acceptable, 0]
+    assert out.forced[0, :3].tolist() == ref.forced and not out.forced[1].any()
+    assert [state_of(m, v, walk) for m in ms] == states
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
