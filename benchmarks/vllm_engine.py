@@ -24,9 +24,13 @@ added as soon as one finishes, ``requests-per-slot × c`` requests in all
 (at least ``--min-requests``). Every engine runs in its own process (vLLM loads its plugins
 once per process) and warms up at each concurrency with short requests
 before it is timed. The model is a Llama with random weights
-(``load_format="dummy"``) sized so that verifying more tokens costs
-measurably more (``--hidden``/``--layers``); its cost curve is printed with
-the results. The mean step time counts the steps that ran the model.
+(``load_format="dummy"``, fp32, vocabulary 512), by default hidden size 1024
+and 8 layers (``--hidden``/``--layers``): large enough that the forward pass,
+not the engine's fixed per-step work, is most of a step, and that verifying
+more tokens costs measurably more from a few tokens on. Its cost curve is
+measured first at powers of two and at every step size the configurations
+run at full batch (``c * (1 + k)`` tokens), and printed with the results.
+The mean step time counts the steps that ran the model.
 
 Every engine computes on one thread (``OMP_NUM_THREADS=1`` unless set:
 vLLM's CPU worker would otherwise bind one OpenMP thread per core, and skips
@@ -109,6 +113,7 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
             engine.add_request(f"{tag}-{i}", r["prompt"], sampling_params(r, max_tokens))
             in_flight += 1
 
+    load_before = os.getloadavg()[0]
     t0, cpu0 = time.perf_counter(), time.process_time()
     submit()
     while in_flight or pending:
@@ -142,6 +147,8 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
         "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
         "mean_step_ms_all": 1e3 * step_s / max(1, steps),
         "finish_reasons": finish,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
     }
 
 
@@ -205,7 +212,24 @@ def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _calibrate(model: str, out: Path, max_num_seqs: int, clock: str) -> dict[str, Any]:
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _token_counts(conc: list[int]) -> list[int]:
+    """Verify sizes to calibrate: powers of two, and every step size a configuration runs at full batch.
+
+    A step of ``c`` requests verifying ``k`` drafts each has ``c * (1 + k)``
+    tokens; measuring those sizes themselves keeps the cost curve exact where
+    the schedulers compare budgets, instead of interpolated between powers of two.
+    """
+    top = max(conc) * (1 + MAX_SPEC)
+    sizes = {1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top}
+    sizes |= {c * (1 + k) for c in conc for k in range(MAX_SPEC + 1)}
+    return sorted(sizes)
+
+
+def _calibrate(model: str, out: Path, conc: list[int], clock: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"))
     cmd = [
@@ -221,7 +245,9 @@ def _calibrate(model: str, out: Path, max_num_seqs: int, clock: str) -> dict[str
         "--dtype",
         "float32",
         "--max-num-seqs",
-        str(max_num_seqs),
+        str(max(conc)),
+        "--token-counts",
+        ",".join(str(n) for n in _token_counts(conc)),
         "--max-model-len",
         "512",
         "--num-speculative-tokens",
@@ -243,11 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,8,32,64")
     p.add_argument("--requests-per-slot", type=int, default=2)
-    p.add_argument("--min-requests", type=int, default=16, help="requests per run at least (default: %(default)s)")
+    p.add_argument("--min-requests", type=int, default=32, help="requests per run at least (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--rounds", type=int, default=2, help="run every engine this many times; keep each cell's best")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="run every engine this many times; keep each cell's best")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
     p.add_argument(
         "--clock",
         choices=("cpu", "wall"),
@@ -291,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             cost = json.loads(cost_path.read_text())
         else:
             cost_path = Path(tmp) / "cost.json"
-            cost = _calibrate(model, cost_path, max(conc), args.clock)
+            cost = _calibrate(model, cost_path, conc, args.clock)
         print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab 512, dummy weights (fp32)")
+        print(f"load average at the start: {_load()}", flush=True)
         print("verify cost (ms) by tokens per step: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in cost["verify"]))
         common = {
             "model": model,
@@ -342,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg:<22} c={c:<3} regimes {s['regimes']}, drafts scheduled {s['drafts_scheduled']}, "
                 f"verified {s['drafts_verified']}, accepted {s['drafts_accepted']}"
             )
-    print(f"\ntotal {elapsed:.0f} s")
+    loads = [x for r in results for x in (r["load_before"], r["load_after"])]
+    print(f"\nload average (1 min) around the timed runs: {min(loads):.1f} to {max(loads):.1f}")
+    print(f"total {elapsed:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"cost": cost, "results": results, "summary": summary}, indent=1))
     return 0
