@@ -19,6 +19,27 @@ and after an accepted stop token (``a_i`` counts it; row ``rows[i] + a_i`` is
 not written). Matchers end in the state they started in, also on error. It
 lets an engine do in one native call (or without touching the matcher's
 state at all) what the generic walk does with one Python call per row.
+
+Fault isolation. A request fails alone (see :func:`fill_draft_masks` and
+:attr:`~maskplug.DraftMasks.failed`); what the walks rely on to keep the
+others exact:
+
+* a batch or chain operation that raises is not told apart by request: all
+  the requests of that call are walked again one at a time (the generic
+  walk, on the calling thread), so only a request whose own walk raises
+  fails. The cost falls on that step only: one Python call per row and per
+  draft for those requests instead of one call for all of them;
+* ``fill_chains`` leaves its matchers where they started, also when it
+  raises (its contract above), so they are walked again from there;
+* a batch ``accept`` or ``rollback`` that raises is taken to have moved
+  none of its matchers, except where a matcher keeps its own count
+  (``num_accepted``, as the SDK's matchers on llguidance and outlines-core
+  do): then the undo is what the count says it moved. An engine that moves
+  some matchers before raising and keeps no count cannot be put back
+  exactly; the request whose rollback then raises fails, saying so;
+* rows a failing operation wrote are overwritten: by the requests' own
+  walks, by the all-allowed rows, and by the stop-only rows of the failed
+  requests.
 """
 
 from __future__ import annotations
@@ -852,17 +873,19 @@ def fill_draft_masks(
             produces the rows on a job thread (the providers' parallel work
             on the shared grammar pools) while the caller runs its forward
             pass; its ``result()`` returns the :class:`DraftMasks`. The
-            arguments are checked (and refused) by this call itself; an error
-            during production is raised by ``result()``, with the bitmask
-            rows restored to what they held and the matchers where they
-            started. Until the job is done its rows and matchers are its own:
+            arguments are checked (and refused) by this call itself; a
+            request that fails during production is reported in the result's
+            ``failed`` exactly as by the synchronous call; production stopped
+            as a whole (``KeyboardInterrupt`` and the like) is raised by
+            ``result()``, with the bitmask rows restored to what they held
+            and the matchers where they started. Until the job is done its rows and matchers are its own:
             a :func:`commit` or a fill on one of its matchers waits for it.
 
     Returns:
         :class:`DraftMasks` with the batch index, the drafts the grammar
-        accepts (a prefix length; gated drafts count as accepted) and which
-        rows allow exactly one token; with ``wait=False``, the
-        :class:`DraftMasksJob` that returns it.
+        accepts (a prefix length; gated drafts count as accepted), which
+        rows allow exactly one token and the requests that failed; with
+        ``wait=False``, the :class:`DraftMasksJob` that returns it.
     """
     plan = _plan(matchers, drafts, bitmask, rows, layout, threads, active_from, strategy)
     if not wait:

@@ -104,9 +104,13 @@ class DraftMasksJob:
     matchers are claimed: a :func:`~maskplug.commit` or another
     ``fill_draft_masks`` on one of them waits for the job first. The job is
     done, and its matchers are back where they started and free, before
-    ``result()`` returns or raises. When production fails, the bitmask rows
-    it was given are restored to what they held before, the matchers are
-    restored, and ``result()`` raises the error.
+    ``result()`` returns or raises. A request whose matcher fails is
+    reported in the result's :attr:`~maskplug.DraftMasks.failed` like the
+    synchronous call's (the other requests are served); when production as
+    a whole is stopped (an exception that is not an ``Exception``, such as
+    ``KeyboardInterrupt``), the bitmask rows it was given are restored to
+    what they held before, the matchers are restored, and ``result()``
+    raises it.
     """
 
     __slots__ = ("_future", "_span")

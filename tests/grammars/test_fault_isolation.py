@@ -98,6 +98,7 @@ class Faulty:
         self.fault = fault
         self.vocab = getattr(inner, "vocab", None)
         self.batch_ops = ops
+        self.releases_gil = bool(getattr(inner, "releases_gil", False))
 
     def accept(self, token: int) -> bool:
         self.fault.tick("accept")
@@ -141,12 +142,22 @@ class FaultyOps:
     Each call first asks every wrapper it was given (one tick each); when one
     raises, the whole call raises for all of them: ``fill`` and
     ``fill_chains`` after writing garbage into their rows, ``accept`` and
-    ``rollback`` before anything moves (as the batch-operation contract asks).
+    ``rollback`` before anything moves, or with ``partial`` after moving the
+    matchers before the failing one that keep a count of what they accepted
+    (``num_accepted``), which fill_draft_masks reads to put them back (as a
+    loop over the matchers that stops at the first exception would).
     """
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, partial: bool = False) -> None:
         self.inner = inner
+        self.partial = partial
         self.fills_forced = bool(getattr(inner, "fills_forced", False))
+
+    def _counted(self, matchers: Sequence[Matcher], values: Sequence[int]) -> tuple[list[Matcher], list[int]]:
+        """The inner matchers that keep a count (and their values), for a partial move before raising."""
+        pairs = [(m.inner, int(x)) for m, x in zip(matchers, values, strict=True)]  # type: ignore[attr-defined]
+        keep = [(m, x) for m, x in pairs if getattr(m, "num_accepted", None) is not None] if self.partial else []
+        return [m for m, _ in keep], [x for _, x in keep]
 
     def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         try:
@@ -158,14 +169,30 @@ class FaultyOps:
         self.inner.fill([m.inner for m in matchers], bitmask, rows)  # type: ignore[attr-defined]
 
     def accept(self, matchers: Sequence[Matcher], tokens: Sequence[int]) -> list[bool]:
-        for m in matchers:
-            m.fault.tick("accept")  # type: ignore[attr-defined]
+        done = 0
+        try:
+            for m in matchers:
+                m.fault.tick("accept")  # type: ignore[attr-defined]
+                done += 1
+        except EngineFault:
+            moved, toks = self._counted(matchers[:done], tokens[:done])
+            if moved:
+                self.inner.accept(moved, toks)
+            raise
         return list(self.inner.accept([m.inner for m in matchers], tokens))  # type: ignore[attr-defined]
 
     def rollback(self, matchers: Sequence[Matcher], counts: Sequence[int]) -> None:
-        for m, k in zip(matchers, counts, strict=True):
-            if int(k):
-                m.fault.tick("rollback")  # type: ignore[attr-defined]
+        done = 0
+        try:
+            for m, k in zip(matchers, counts, strict=True):
+                if int(k):
+                    m.fault.tick("rollback")  # type: ignore[attr-defined]
+                done += 1
+        except EngineFault:
+            moved, ks = self._counted(matchers[:done], counts[:done])
+            if moved:
+                self.inner.rollback(moved, ks)
+            raise
         self.inner.rollback([m.inner for m in matchers], counts)  # type: ignore[attr-defined]
 
     def fill_chains(
@@ -257,7 +284,7 @@ def make_batch(seed: int, wrap: str) -> Batch:
             ops: FaultyOps | None = None
             if wrap == "ops":
                 base = m.batch_ops  # type: ignore[attr-defined]
-                ops = ops_of.setdefault(id(base), FaultyOps(base))
+                ops = ops_of.setdefault(id(base), FaultyOps(base, partial=rng.random() < 0.5))
             fault = Fault()
             if rng.random() < 0.4:
                 # Through batch operations a fault stays: the request is walked again after the batch call.
