@@ -436,6 +436,64 @@ def test_a_batch_chain_call_that_raises_is_redone_one_request_at_a_time() -> Non
     assert bool((bm[4:8] == stop_row(v)).all())
 
 
+# ---------------------------------------------------------------- a fault inside a provider's own engine
+
+# Where each provider keeps its engine object, and the engine calls that break.
+ENGINES = {
+    # xgrammar's batch calls take the native handle.
+    "xgrammar": ("raw", ("fill_next_token_bitmask", "accept_token", "traverse_draft_tree", "_handle")),
+    "llguidance": ("engine", ("unsafe_compute_mask_ptr", "consume_token", "compute_mask")),
+    "outlines-core": ("_guide", ("get_state", "write_mask_into", "advance")),
+}
+
+
+class BrokenEngine:
+    """An engine object whose listed attributes raise when used; everything else goes to the real one."""
+
+    def __init__(self, real: Any, broken: Sequence[str]) -> None:
+        self._real = real
+        self._broken = frozenset(broken)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._broken:
+            raise EngineFault(f"{name}: the engine is broken")
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("provider", [p for p in PROVIDERS if p in ENGINES])
+def test_a_fault_inside_a_providers_engine_fails_its_request_alone(provider: str, strategy: str) -> None:
+    """The providers' own batch and chain operations meet an engine that raises: only its request fails."""
+    v = vocab()
+    rng = random.Random(3)
+    ms = [grammar(provider, REGEXES[0]).matcher() for _ in range(4)]
+    drafts = [random_walk(m, v, rng, 3, stop=False) for m in ms]
+    drafts = [d + [5] * (3 - len(d)) for d in drafts]
+    probes = [[*d, 0] for d in drafts]
+    before = [state_of(m, v, p) for m, p in zip(ms, probes, strict=True)]
+    attr, calls = ENGINES[provider]
+    setattr(ms[2], attr, BrokenEngine(getattr(ms[2], attr), calls))
+    if hasattr(ms[2], "_mask_ok"):
+        ms[2]._mask_ok = False  # type: ignore[attr-defined]  # no mask at hand: the engine is asked
+    ids = ["a", "b", "c", "d"]
+    layout = ScheduledLayout(ids, [3] * 4, [1] * 4)
+    bm = torch.randint(-(2**31), 2**31 - 1, (16, v.mask_words), dtype=torch.int32)
+    out = fill_draft_masks(ms, drafts, bm, GrammarRows(ids), layout, strategy=strategy)
+    assert list(out.failed) == [2]
+    err = out.failed[2]
+    assert str(err).startswith("matchers[2]: the matcher raised ") and err.__cause__ is not None
+    assert bool((bm[8:12] == stop_row(v)).all()) and int(out.acceptable[2]) == 0 and not out.forced[2].any()
+    keep = [0, 1, 3]
+    ref_bm = v.new_bitmask(12)
+    ref = fill_draft_masks(
+        [ms[g] for g in keep], [drafts[g] for g in keep], ref_bm, GrammarRows(["a", "b", "d"]), layout
+    )
+    assert torch.equal(bm[0:8], ref_bm[0:8]) and torch.equal(bm[12:16], ref_bm[8:12])
+    assert out.acceptable[keep].tolist() == ref.acceptable.tolist()
+    assert out.forced[keep].tolist() == ref.forced.tolist()
+    assert [state_of(ms[g], v, probes[g]) for g in keep] == [before[g] for g in keep]
+
+
 # ---------------------------------------------------------------- commit and commit_many
 
 
