@@ -64,8 +64,34 @@ def test_adapter_served_the_engine(runs: dict[str, Any]) -> None:
     assert runs["vllm"]["counts"] == {} and runs["vllm"]["runner"] == {}
 
 
-RAW_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 SURROGATE = re.compile(r"[\ud800-\udfff]")
+#: The characters xgrammar's length-bounded strings admit raw although JSON forbids them: every control
+#: character but CR and LF (TAB included; see test_xgrammar_length_bounded_strings_admit_raw_control_characters).
+BOUNDED_RAW = frozenset(chr(c) for c in range(0x20)) - {"\r", "\n"}
+
+
+def _escape_raw_in_strings(text: str) -> tuple[str, set[str]]:
+    """``text`` with each raw control character inside a JSON string written as a ``\\u00XX`` escape.
+
+    Returns the escaped text and the set of characters escaped. Outside strings nothing changes:
+    there, TAB, CR and LF are JSON whitespace and any other control character stays an error.
+    """
+    out: list[str] = []
+    escaped: set[str] = set()
+    in_string = after_backslash = False
+    for ch in text:
+        if in_string and not after_backslash and ch < " ":
+            out.append(f"\\u{ord(ch):04x}")
+            escaped.add(ch)
+            continue
+        out.append(ch)
+        if after_backslash:
+            after_backslash = False
+        elif in_string and ch == "\\":
+            after_backslash = True
+        elif ch == '"':
+            in_string = not in_string
+    return "".join(out), escaped
 
 
 def _as_xgrammar_reads_it(model: Path, token_ids: list[int]) -> str:
@@ -82,6 +108,26 @@ def _as_xgrammar_reads_it(model: Path, token_ids: list[int]) -> str:
     return raw.decode("utf-8", "surrogatepass")
 
 
+def _validate(model: Path, output: dict[str, Any], schema: dict[str, Any]) -> None:
+    """Check one finished output against its schema, reading its bytes as xgrammar reads them."""
+    text = output["text"]
+    if "\ufffd" in text:
+        # Only bytes strict UTF-8 refuses make replacement characters; the one kind xgrammar
+        # admits is an encoded surrogate (pinned below), so the text must hold one as xgrammar reads it.
+        text = _as_xgrammar_reads_it(model, output["token_ids"])
+        assert SURROGATE.search(text), output["text"]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        # The one way xgrammar's JSON (vLLM's and maskplug's provider alike) departs from RFC 8259:
+        # raw control characters, TAB included, in length-bounded strings (see the tests below).
+        # They are escaped and the text parsed strictly: anything else JSON forbids still fails.
+        escaped, raw = _escape_raw_in_strings(text)
+        assert raw and raw <= BOUNDED_RAW, output["text"]
+        value = json.loads(escaped)
+    jsonschema.validate(value, schema)
+
+
 def test_every_finished_output_validates(runs: dict[str, Any]) -> None:
     schemas = {p.stem: json.loads(p.read_text()) for p in tiny_model.schema_paths()}
     finished = 0
@@ -90,35 +136,47 @@ def test_every_finished_output_validates(runs: dict[str, Any]) -> None:
             if o["finish_reason"] != "stop":
                 continue
             finished += 1
-            text = o["text"]
-            if "\ufffd" in text:
-                # Only bytes strict UTF-8 refuses make replacement characters; the one kind xgrammar
-                # admits is an encoded surrogate (pinned below), so the text must hold one as xgrammar reads it.
-                text = _as_xgrammar_reads_it(runs["model"], o["token_ids"])
-                assert SURROGATE.search(text), o["text"]
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                # The one way xgrammar's JSON (vLLM's and maskplug's provider alike) departs from
-                # RFC 8259: raw control characters in length-bounded strings (see the test below).
-                assert RAW_CONTROL.search(text), o["text"]
-                value = json.loads(text, strict=False)
-            jsonschema.validate(value, schemas[o["schema"]])
+            _validate(runs["model"], o, schemas[o["schema"]])
     assert finished >= 8, f"only {finished} outputs finished; the check would be weak"
 
 
+def test_validation_reads_raw_controls_as_xgrammar_admits_them() -> None:
+    """A finished output with a raw TAB (or other control character) in a length-bounded string is
+    what xgrammar produces from the test's own schema; it validates, and text that departs from JSON
+    in any other way still fails."""
+    import xgrammar as xgr
+
+    schema = json.loads(next(p for p in tiny_model.schema_paths() if p.stem == "search_tool_call").read_text())
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+    model = Path("unused: the outputs below hold no replacement character")
+    for raw in ("\t", "\x04", "\t\x1f"):
+        text = '{"tool": "web_search", "query": "a' + raw + 'bc"}'
+        assert xgr.testing._is_grammar_accept_string(grammar, text), repr(text)
+        _validate(model, {"text": text, "token_ids": []}, schema)
+    assert _escape_raw_in_strings('{"q": "a\t\\"\x01"}\t') == ('{"q": "a\\u0009\\"\\u0001"}\t', {"\t", "\x01"})
+    for bad in (
+        '{"tool": "web_search", "query": "a\nbc"}',  # LF: xgrammar refuses it in every string
+        '{"tool": "web_search",\x04"query": "abc"}',  # a control character outside strings
+        '{"tool": "web_search", "query": "a\tbc",}',  # a trailing comma
+    ):
+        assert not xgr.testing._is_grammar_accept_string(grammar, bad), repr(bad)
+        with pytest.raises((AssertionError, json.JSONDecodeError)):
+            _validate(model, {"text": bad, "token_ids": []}, schema)
+
+
 def test_xgrammar_length_bounded_strings_admit_raw_control_characters() -> None:
-    """Why the check above parses some outputs leniently: xgrammar 0.2.8 compiles a string with
-    ``minLength``/``maxLength`` to ``[^"\\\r\n]{m,n}``, which admits raw control characters that
-    JSON forbids (its unbounded strings exclude them). If a release fixes this, this test fails and
-    the lenient parse above should go."""
+    """Why the check above escapes some outputs' control characters: xgrammar 0.2.8 compiles a string
+    with ``minLength``/``maxLength`` to ``[^"\\\r\n]{m,n}``, which admits every raw control character
+    but CR and LF, TAB included, where JSON forbids them all (its unbounded strings exclude them). If a
+    release fixes this, this test fails and the escaping above should go."""
     import xgrammar as xgr
 
     bounded = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "maxLength": 8}))
     unbounded = xgr.Grammar.from_json_schema(json.dumps({"type": "string"}))
-    text = '"a\x04b"'
-    assert xgr.testing._is_grammar_accept_string(bounded, text)
-    assert not xgr.testing._is_grammar_accept_string(unbounded, text)
+    for code in range(0x20):
+        text = f'"a{chr(code)}b"'
+        assert xgr.testing._is_grammar_accept_string(bounded, text) == (chr(code) in BOUNDED_RAW), hex(code)
+        assert not xgr.testing._is_grammar_accept_string(unbounded, text), hex(code)
 
 
 def test_xgrammar_strings_admit_utf8_encoded_surrogates() -> None:
