@@ -64,34 +64,6 @@ def _request(grammar: Any) -> SimpleNamespace:
     return SimpleNamespace(structured_output_request=SimpleNamespace(grammar=grammar, reasoning_ended=True))
 
 
-def _allowed(row: np.ndarray, limit: int) -> np.ndarray:
-    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:limit]
-    return np.flatnonzero(bits)
-
-
-def _walk(
-    grammar: MaskplugGrammar, rng: np.random.Generator, steps: int, limit: int, avoid: frozenset[int] = frozenset()
-) -> list[int]:
-    """A random token history the grammar accepts (sampled from its own masks, never from ``avoid``)."""
-    out: list[int] = []
-    row = torch.zeros(1, grammar.matcher.vocab.mask_words, dtype=torch.int32)
-    for _ in range(steps):
-        if grammar.is_terminated():
-            break
-        grammar.fill_bitmask(row, 0)
-        choices = np.setdiff1d(_allowed(row[0].numpy(), limit), list(avoid))
-        if choices.size == 0:
-            break
-        t = int(rng.choice(choices))
-        assert grammar.accept_tokens("walk", [t])
-        out.append(t)
-    return out
-
-
-def _schemas() -> list[str]:
-    return [p.read_text() for p in tiny_model.schema_paths()]
-
-
 def test_rows_identical_to_vllm_xgrammar_path(tokenizer: Any) -> None:
     vocab_size = tiny_model.VOCAB_SIZE
     eos = {int(tokenizer.eos_token_id)}
@@ -100,7 +72,7 @@ def test_rows_identical_to_vllm_xgrammar_path(tokenizer: Any) -> None:
     theirs_mgr, ours_mgr = _manager(theirs_backend), _manager(ours_backend)
     ours_mgr_fill = mp_sched.make_grammar_bitmask(patches.original(StructuredOutputManager, "grammar_bitmask"))
     rng = np.random.default_rng(21)
-    schemas = _schemas()
+    schemas = tiny_model.schema_texts()
     checked_rows = 0
     for step in range(150):
         n = int(rng.integers(1, 6))
@@ -112,10 +84,12 @@ def test_rows_identical_to_vllm_xgrammar_path(tokenizer: Any) -> None:
             g_theirs = theirs_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
             # Histories never end the grammar (finished requests are not scheduled; see the
             # terminated-grammar difference below); drafts may.
-            history = _walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
+            history = tiny_model.walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
             assert g_theirs.accept_tokens(rid, history)
             probe = g_ours.matcher.fork()
-            drafts = _walk(MaskplugGrammar(probe, g_ours.spec), rng, int(rng.integers(0, NUM_SPEC + 1)), vocab_size)
+            drafts = tiny_model.walk(
+                MaskplugGrammar(probe, g_ours.spec), rng, int(rng.integers(0, NUM_SPEC + 1)), vocab_size
+            )
             if drafts and rng.random() < 0.2:
                 drafts[int(rng.integers(0, len(drafts))) :] = [-1] * (len(drafts) - int(rng.integers(0, len(drafts))))
             if drafts:
@@ -171,7 +145,7 @@ def test_difference_terminated_grammar_rows(tokenizer: Any) -> None:
     rows = mp_sched.make_grammar_bitmask(patches.original(StructuredOutputManager, "grammar_bitmask"))(
         _manager(backend), {"r": _request(g)}, ["r"], {}
     )
-    assert _allowed(rows[0], tiny_model.VOCAB_SIZE).tolist() == [eos]
+    assert tiny_model.allowed(rows[0], tiny_model.VOCAB_SIZE).tolist() == [eos]
     theirs_backend = XgrammarBackend(_vllm_config(), tokenizer=tokenizer, vocab_size=tiny_model.VOCAB_SIZE)
     t = theirs_backend.compile_grammar(StructuredOutputOptions.REGEX, "ab", {eos})
     assert t.accept_tokens("r", [*toks, eos]) and t.is_terminated()
@@ -198,8 +172,8 @@ def test_difference_special_tokens_are_not_text(tmp_path_factory: pytest.TempPat
     y = torch.zeros_like(x)
     a.fill_bitmask(x, 0)
     b.fill_bitmask(y, 0)
-    in_string_theirs = set(_allowed(x[0].numpy(), tiny_model.VOCAB_SIZE).tolist())
-    in_string_ours = set(_allowed(y[0].numpy(), tiny_model.VOCAB_SIZE).tolist())
+    in_string_theirs = set(tiny_model.allowed(x[0].numpy(), tiny_model.VOCAB_SIZE).tolist())
+    in_string_ours = set(tiny_model.allowed(y[0].numpy(), tiny_model.VOCAB_SIZE).tolist())
     specials = {tok.convert_tokens_to_ids(t) for t in ("<unk>", "<s>")}
     assert specials <= in_string_theirs
     assert not specials & in_string_ours
@@ -214,11 +188,11 @@ def test_grammar_interface_matches_vllm_xgrammar_grammar(tokenizer: Any) -> None
     rng = np.random.default_rng(22)
     for kind, src in [
         (StructuredOutputOptions.REGEX, "[a-c]{2,4}"),
-        (StructuredOutputOptions.JSON, _schemas()[0]),
+        (StructuredOutputOptions.JSON, tiny_model.schema_texts()[0]),
         (StructuredOutputOptions.CHOICE, json.dumps(["yes", "no"])),
     ]:
         ours = ours_b.compile_grammar(kind, src, {eos})
-        history = _walk(ours, rng, 12, len(tokenizer))
+        history = tiny_model.walk(ours, rng, 12, len(tokenizer))
         ours.reset()
         theirs = theirs_b.compile_grammar(
             StructuredOutputOptions.GRAMMAR if kind == StructuredOutputOptions.CHOICE else kind,

@@ -16,7 +16,7 @@ import tiny_model
 import torch
 from maskplug_vllm import scheduler as mp_sched
 from maskplug_vllm.backend import MaskplugBackend, MaskplugGrammar
-from test_scheduler_masks import NUM_SPEC, _vllm_config, _walk
+from test_scheduler_masks import NUM_SPEC, _vllm_config
 from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
 
@@ -44,9 +44,9 @@ def test_serial_and_batched_production_write_the_same_rows(tokenizer: Any, monke
         for rid in ids:
             base = bases[int(rng.integers(0, len(bases)))]
             g = MaskplugGrammar(base.matcher.fork(), base.spec)
-            _walk(g, rng, int(rng.integers(0, 30)), len(tokenizer), frozenset(eos))
+            tiny_model.walk(g, rng, int(rng.integers(0, 30)), len(tokenizer), frozenset(eos))
             probe = MaskplugGrammar(g.matcher.fork(), g.spec)
-            drafts = _walk(probe, rng, int(rng.integers(0, NUM_SPEC + 1)), vocab_size)
+            drafts = tiny_model.walk(probe, rng, int(rng.integers(0, NUM_SPEC + 1)), vocab_size)
             if drafts and step % 2 == 0 and rng.random() < 0.5:
                 drafts[int(rng.integers(0, len(drafts))) :] = [-1] * (len(drafts) - int(rng.integers(0, len(drafts))))
             if drafts:

@@ -94,34 +94,6 @@ def _request(grammar: Any) -> SimpleNamespace:
     )
 
 
-def _allowed(row: np.ndarray, limit: int) -> np.ndarray:
-    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")[:limit]
-    return np.flatnonzero(bits)
-
-
-def _walk(
-    grammar: MaskplugGrammar, rng: np.random.Generator, steps: int, limit: int, avoid: frozenset[int] = frozenset()
-) -> list[int]:
-    """A random token history the grammar accepts (sampled from its own masks, never from ``avoid``)."""
-    out: list[int] = []
-    row = torch.zeros(1, grammar.matcher.vocab.mask_words, dtype=torch.int32)
-    for _ in range(steps):
-        if grammar.is_terminated():
-            break
-        grammar.fill_bitmask(row, 0)
-        choices = np.setdiff1d(_allowed(row[0].numpy(), limit), list(avoid))
-        if choices.size == 0:
-            break
-        t = int(rng.choice(choices))
-        assert grammar.accept_tokens("walk", [t])
-        out.append(t)
-    return out
-
-
-def _schemas() -> list[str]:
-    return [p.read_text() for p in tiny_model.schema_paths()]
-
-
 def _ours_fill() -> Any:
     return v0_33.make_grammar_bitmask(patches.original(StructuredOutputManager, "grammar_bitmask"))
 
@@ -151,10 +123,10 @@ def _random_step(
         g_ours = ours_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
         g_theirs = theirs_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
         # Histories never end the grammar (finished requests are not scheduled); drafts may.
-        history = _walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
+        history = tiny_model.walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
         assert g_theirs.accept_tokens(rid, history)
         probe = g_ours.matcher.fork()
-        drafts = _walk(
+        drafts = tiny_model.walk(
             MaskplugGrammar(probe, g_ours.spec), rng, int(rng.integers(0, NUM_SPEC + 1)), tiny_model.VOCAB_SIZE
         )
         if drafts and rng.random() < 0.2:  # vLLM pads missing drafts with -1 (the list keeps its length)
@@ -177,7 +149,7 @@ def test_fixed_rows_identical_to_vllm_033_xgrammar_path(tokenizer: Any) -> None:
     theirs_mgr, ours_mgr = _manager(theirs_backend), _manager(ours_backend)
     fill = _ours_fill()
     rng = np.random.default_rng(41)
-    schemas = _schemas()
+    schemas = tiny_model.schema_texts()
     checked_rows = unused_rows = 0
     for step in range(150):
         ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
@@ -301,7 +273,7 @@ def test_rows_end_to_end_match_vllm_033_on_both_consumers(tokenizer: Any, monkey
     fill = _ours_fill()
     vllm_scatter = patches.original(so_utils, "apply_grammar_bitmask")
     rng = np.random.default_rng(43)
-    schemas = _schemas()
+    schemas = tiny_model.schema_texts()
     regimes = {"full": 0, "partial": 0, "zero": 0}
     for step in range(60):
         ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
@@ -386,7 +358,7 @@ def test_batch_sharded_sampling_splits_maskplug_rows_by_request(tokenizer: Any) 
     theirs_mgr, ours_mgr = _manager(theirs_backend), _manager(ours_backend)
     fill = _ours_fill()
     rng = np.random.default_rng(45)
-    schemas = _schemas()
+    schemas = tiny_model.schema_texts()
     split = 0
     for step in range(30):
         ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
@@ -429,7 +401,7 @@ def test_reasoning_gate_falls_back_to_vllm_033_loop_over_maskplug_grammars(token
         vllm_fill(self, batch)
 
     rng = np.random.default_rng(47)
-    schemas = _schemas()
+    schemas = tiny_model.schema_texts()
     with pytest.MonkeyPatch.context() as m:
         m.setattr(StructuredOutputManager, "_fill_bitmasks", counting_fill)
         for step in range(20):

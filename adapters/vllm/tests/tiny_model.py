@@ -13,6 +13,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from maskplug.data import schema_dir
 
 # The schemas bundled with maskplug (``MASKPLUG_SCHEMAS`` overrides, as everywhere).
@@ -26,6 +29,11 @@ def schema_paths() -> list[Path]:
     if not paths:
         raise FileNotFoundError(f"expected JSON schemas in {SCHEMA_DIR}, found none")
     return paths
+
+
+def schema_texts() -> list[str]:
+    """The shared test schemas' JSON texts, in :func:`schema_paths` order."""
+    return [p.read_text() for p in schema_paths()]
 
 
 def _corpus(seed: int = 0) -> list[str]:
@@ -105,3 +113,32 @@ def load_tokenizer(folder: Path) -> Any:
 
     eos = json.loads((folder / "tokenizer_config.json").read_text())["eos_token"]
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token=eos)
+
+
+def allowed(row: np.ndarray, limit: int) -> np.ndarray:
+    """The token ids below ``limit`` that a mask row (int32 words, little-endian bit order) allows."""
+    bits = np.unpackbits(np.ascontiguousarray(row).view(np.uint8), bitorder="little")[:limit]
+    return np.flatnonzero(bits)
+
+
+def walk(
+    grammar: Any, rng: np.random.Generator, steps: int, limit: int, avoid: frozenset[int] = frozenset()
+) -> list[int]:
+    """A random token history ``grammar`` accepts (sampled from its own masks, never from ``avoid``).
+
+    ``grammar`` is a vLLM-side grammar of the adapter (``maskplug_vllm.backend.MaskplugGrammar``):
+    it fills its mask row, takes the sampled token, and is left after the history.
+    """
+    out: list[int] = []
+    row = torch.zeros(1, grammar.matcher.vocab.mask_words, dtype=torch.int32)
+    for _ in range(steps):
+        if grammar.is_terminated():
+            break
+        grammar.fill_bitmask(row, 0)
+        choices = np.setdiff1d(allowed(row[0].numpy(), limit), list(avoid))
+        if choices.size == 0:
+            break
+        t = int(rng.choice(choices))
+        assert grammar.accept_tokens("walk", [t])
+        out.append(t)
+    return out
