@@ -57,7 +57,7 @@ def _instrument() -> dict[str, int]:
 def main(model_dir: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -65,24 +65,7 @@ def main(model_dir: str, out_path: str) -> None:
 
     enabled = os.environ.get("MASKPLUG_VLLM") == "1"
     counts = _instrument() if enabled else {}
-    llm = LLM(
-        model=model_dir,
-        tokenizer=model_dir,
-        load_format="dummy",
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=1024,
-        max_num_seqs=16,
-        seed=0,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": NUM_SPEC,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-        structured_outputs_config={"backend": "xgrammar"},
-    )
+    llm = tiny_model.ngram_engine(model_dir, NUM_SPEC, max_model_len=1024, max_num_seqs=16)
     schemas = [(p.stem, json.loads(p.read_text())) for p in tiny_model.schema_paths()]
 
     def run(sampled: bool) -> list[dict[str, Any]]:

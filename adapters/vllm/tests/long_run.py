@@ -88,30 +88,13 @@ def main(model_dir: str, out_path: str, argv: list[str]) -> None:
     _register_random_budget()
 
     import maskplug_vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_model
 
-    llm = LLM(
-        model=model_dir,
-        tokenizer=model_dir,
-        load_format="dummy",
-        dtype="float32",
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        max_model_len=512,
-        max_num_seqs=32,
-        seed=0,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": NUM_SPEC,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-        structured_outputs_config={"backend": "xgrammar"},
-    )
+    llm = tiny_model.ngram_engine(model_dir, NUM_SPEC, max_model_len=512, max_num_seqs=32)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool

@@ -65,33 +65,6 @@ def test_adapter_served_the_engine(runs: dict[str, Any]) -> None:
 
 
 SURROGATE = re.compile(r"[\ud800-\udfff]")
-#: The characters xgrammar's length-bounded strings admit raw although JSON forbids them: every control
-#: character but CR and LF (TAB included; see test_xgrammar_length_bounded_strings_admit_raw_control_characters).
-BOUNDED_RAW = frozenset(chr(c) for c in range(0x20)) - {"\r", "\n"}
-
-
-def _escape_raw_in_strings(text: str) -> tuple[str, set[str]]:
-    """``text`` with each raw control character inside a JSON string written as a ``\\u00XX`` escape.
-
-    Returns the escaped text and the set of characters escaped. Outside strings nothing changes:
-    there, TAB, CR and LF are JSON whitespace and any other control character stays an error.
-    """
-    out: list[str] = []
-    escaped: set[str] = set()
-    in_string = after_backslash = False
-    for ch in text:
-        if in_string and not after_backslash and ch < " ":
-            out.append(f"\\u{ord(ch):04x}")
-            escaped.add(ch)
-            continue
-        out.append(ch)
-        if after_backslash:
-            after_backslash = False
-        elif in_string and ch == "\\":
-            after_backslash = True
-        elif ch == '"':
-            in_string = not in_string
-    return "".join(out), escaped
 
 
 def _as_xgrammar_reads_it(model: Path, token_ids: list[int]) -> str:
@@ -116,16 +89,7 @@ def _validate(model: Path, output: dict[str, Any], schema: dict[str, Any]) -> No
         # admits is an encoded surrogate (pinned below), so the text must hold one as xgrammar reads it.
         text = _as_xgrammar_reads_it(model, output["token_ids"])
         assert SURROGATE.search(text), output["text"]
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        # The one way xgrammar's JSON (vLLM's and maskplug's provider alike) departs from RFC 8259:
-        # raw control characters, TAB included, in length-bounded strings (see the tests below).
-        # They are escaped and the text parsed strictly: anything else JSON forbids still fails.
-        escaped, raw = _escape_raw_in_strings(text)
-        assert raw and raw <= BOUNDED_RAW, output["text"]
-        value = json.loads(escaped)
-    jsonschema.validate(value, schema)
+    jsonschema.validate(tiny_model.xgrammar_json(text), schema)
 
 
 def test_every_finished_output_validates(runs: dict[str, Any]) -> None:
@@ -153,7 +117,10 @@ def test_validation_reads_raw_controls_as_xgrammar_admits_them() -> None:
         text = '{"tool": "web_search", "query": "a' + raw + 'bc"}'
         assert xgr.testing._is_grammar_accept_string(grammar, text), repr(text)
         _validate(model, {"text": text, "token_ids": []}, schema)
-    assert _escape_raw_in_strings('{"q": "a\t\\"\x01"}\t') == ('{"q": "a\\u0009\\"\\u0001"}\t', {"\t", "\x01"})
+    assert tiny_model.escape_raw_in_strings('{"q": "a\t\\"\x01"}\t') == (
+        '{"q": "a\\u0009\\"\\u0001"}\t',
+        {"\t", "\x01"},
+    )
     for bad in (
         '{"tool": "web_search", "query": "a\nbc"}',  # LF: xgrammar refuses it in every string
         '{"tool": "web_search",\x04"query": "abc"}',  # a control character outside strings
@@ -175,7 +142,7 @@ def test_xgrammar_length_bounded_strings_admit_raw_control_characters() -> None:
     unbounded = xgr.Grammar.from_json_schema(json.dumps({"type": "string"}))
     for code in range(0x20):
         text = f'"a{chr(code)}b"'
-        assert xgr.testing._is_grammar_accept_string(bounded, text) == (chr(code) in BOUNDED_RAW), hex(code)
+        assert xgr.testing._is_grammar_accept_string(bounded, text) == (chr(code) in tiny_model.BOUNDED_RAW), hex(code)
         assert not xgr.testing._is_grammar_accept_string(unbounded, text), hex(code)
 
 

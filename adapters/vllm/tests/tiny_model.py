@@ -107,6 +107,36 @@ def build(folder: Path, specials: tuple[str, ...] = ("</s>",)) -> Path:
     return folder
 
 
+def ngram_engine(folder: Path | str, num_spec: int, *, max_model_len: int, max_num_seqs: int) -> Any:
+    """vLLM's engine (``vllm.LLM``) on the tiny model, as the engine tests run it.
+
+    Dummy weights fixed by seed 0, float32, eager mode, n-gram drafting of
+    ``num_spec`` tokens (prompt lookups of 1 to 3 tokens), structured outputs
+    through the ``xgrammar`` backend name (served by maskplug when the adapter
+    is enabled).
+    """
+    from vllm import LLM
+
+    return LLM(
+        model=str(folder),
+        tokenizer=str(folder),
+        load_format="dummy",
+        dtype="float32",
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        seed=0,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": num_spec,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+        structured_outputs_config={"backend": "xgrammar"},
+    )
+
+
 def load_tokenizer(folder: Path) -> Any:
     """The model's tokenizer as vLLM's structured-output code sees it (a Hugging Face fast tokenizer)."""
     from transformers import PreTrainedTokenizerFast
@@ -142,3 +172,49 @@ def walk(
         assert grammar.accept_tokens("walk", [t])
         out.append(t)
     return out
+
+
+#: The characters xgrammar's length-bounded strings admit raw although JSON forbids them: every control
+#: character but CR and LF (TAB included; pinned by
+#: test_engine.py's test_xgrammar_length_bounded_strings_admit_raw_control_characters).
+BOUNDED_RAW = frozenset(chr(c) for c in range(0x20)) - {"\r", "\n"}
+
+
+def escape_raw_in_strings(text: str) -> tuple[str, set[str]]:
+    """``text`` with each raw control character inside a JSON string written as a ``\\u00XX`` escape.
+
+    Returns the escaped text and the set of characters escaped. Outside strings nothing changes:
+    there, TAB, CR and LF are JSON whitespace and any other control character stays an error.
+    """
+    out: list[str] = []
+    escaped: set[str] = set()
+    in_string = after_backslash = False
+    for ch in text:
+        if in_string and not after_backslash and ch < " ":
+            out.append(f"\\u{ord(ch):04x}")
+            escaped.add(ch)
+            continue
+        out.append(ch)
+        if after_backslash:
+            after_backslash = False
+        elif in_string and ch == "\\":
+            after_backslash = True
+        elif ch == '"':
+            in_string = not in_string
+    return "".join(out), escaped
+
+
+def xgrammar_json(text: str) -> Any:
+    """The value of a JSON output xgrammar's grammar admitted, with the one departure from RFC 8259 it has.
+
+    xgrammar's length-bounded strings admit raw control characters (every one but CR and LF,
+    :data:`BOUNDED_RAW`) where JSON forbids them. Text that strict JSON refuses is parsed again
+    with those characters escaped, strictly: any other departure, or a CR or LF in a string,
+    still fails (``AssertionError`` or ``json.JSONDecodeError``).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        escaped, raw = escape_raw_in_strings(text)
+        assert raw and raw <= BOUNDED_RAW, text
+        return json.loads(escaped)
