@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from maskplug_vllm import patches, v0_33  # noqa: E402
 from vllm.v1.worker.gpu import structured_outputs as so  # noqa: E402
-from vllm_release import V033, no_pinned_memory  # noqa: E402
+from vllm_release import V033, host_streams, no_pinned_memory  # noqa: E402
 
 from maskplug import GrammarRows, ScheduledLayout, reference  # noqa: E402
 
@@ -55,21 +54,9 @@ STRIDE = MAX_DRAFTS + 1
 DTYPES = [torch.float32, torch.float16]  # the interpreter has no bfloat16
 
 
-class _HostStream:
-    """A stand-in for ``torch.cuda.Stream``: CPU tensors need no ordering between streams."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-
 @pytest.fixture(autouse=True)
 def host_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(torch.cuda, "Stream", _HostStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream=None: nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
+    host_streams(monkeypatch)
     no_pinned_memory(monkeypatch)
     yield
 

