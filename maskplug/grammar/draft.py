@@ -306,17 +306,17 @@ def _walk_one(w: _Walk, g: int) -> None:
     """
     m, d, eos, bitmask = w.matchers[g], w.d[g], w.eos[g], w.bitmask
     nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
-    doing = "nothing"
+    p, filling = 0, True  # where the walk is, for the error message (formatted only on failure)
     try:
         for p in range(need):
             if p >= gate:
-                doing = f"fill of row {p}"
+                filling = True
                 m.fill(bitmask, row0 + p)
                 w.filled[g, p] = True
             if p >= nd or p < gate:
                 continue
             t = int(d[p])
-            doing = f"accept of drafts[{g}][{p}] = {t}"
+            filling = False
             if not m.accept(t):
                 w.acceptable[g] = p
                 break
@@ -325,6 +325,7 @@ def _walk_one(w: _Walk, g: int) -> None:
                 w.acceptable[g] = p + 1
                 break
     except Exception as exc:
+        doing = f"fill of row {p}" if filling else f"accept of drafts[{g}][{p}] = {int(d[p])}"
         _fail(w, g, exc, f"in its {doing}")
         return
     _rollback_one(w, g)
@@ -375,14 +376,19 @@ def _brief(exc: BaseException) -> str:
 
 def _counts(ms: Sequence[Matcher], members: Sequence[int]) -> list[int | None]:
     """Each member's ``num_accepted`` where its matcher keeps one (None otherwise, or when asking fails)."""
-    out: list[int | None] = []
-    for g in members:
-        try:
-            n = getattr(ms[g], "num_accepted", None)
-        except Exception:
-            n = None
-        out.append(int(n) if isinstance(n, (int, np.integer)) and not isinstance(n, bool) else None)
-    return out
+    try:
+        # One pass without per-member checks (this runs before every position-major walk).
+        raw = [getattr(ms[g], "num_accepted", None) for g in members]
+    except Exception:
+        raw = []
+        for g in members:
+            try:
+                raw.append(getattr(ms[g], "num_accepted", None))
+            except Exception:
+                raw.append(None)
+    if all(type(n) is int for n in raw):
+        return raw
+    return [int(n) if isinstance(n, (int, np.integer)) and not isinstance(n, bool) else None for n in raw]
 
 
 def _unwind(w: _Walk, members: Sequence[int], base: Sequence[int | None]) -> None:
@@ -602,7 +608,11 @@ def _produce(plan: _Plan) -> DraftMasks:
     for g, m in enumerate(ms):
         if errors and g in errors:
             continue
-        ops = getattr(m, "batch_ops", None) if strategy in ("auto", "chains", "batch") else None
+        try:
+            ops = getattr(m, "batch_ops", None) if strategy in ("auto", "chains", "batch") else None
+        except Exception as exc:
+            _fail(walk, g, exc, "in batch_ops")
+            continue
         if ops is None:
             single.append(g)
             continue

@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from maskplug import (
+    BudgetError,
     CommitResult,
     DraftMasks,
     GrammarError,
@@ -45,6 +46,7 @@ from maskplug import (
     fill_draft_masks,
     grammar_provider,
 )
+from maskplug.draftmasks import check_draft_masks
 from maskplug.grammar import ChainOps, Matcher, Vocab
 from maskplug.grammar.rows import stop_row
 
@@ -592,3 +594,20 @@ def test_commit_many_structural_errors_raise_before_any_matcher_moves(args: Any,
         commit_many(a, b)
     assert str(info.value).startswith(f"{arg}: "), str(info.value)
     assert [state_of(m, v, toks) for m in ms] == before
+
+
+# ---------------------------------------------------------------- DraftMasks.failed where DraftMasks are checked
+
+
+def test_draft_masks_failed_is_checked_and_carried_where_grammar_information_enters() -> None:
+    layout = ScheduledLayout(["a", "b", "c"], [2, 3, 1], [1, 1, 1])
+    base = (np.array([2, 0]), np.array([1, 0]), np.zeros((2, 4), dtype=bool))
+    assert DraftMasks(*base).failed == {} and check_draft_masks(DraftMasks(*base), layout).failed == {}
+    err = GrammarError("drafts[1][0]: expected a token id in [0, 7), got 9")
+    checked = check_draft_masks(DraftMasks(*base, failed={np.int64(0): err}), layout)
+    assert dict(checked.failed) == {0: err} and all(type(k) is int for k in checked.failed)
+    with pytest.raises(TypeError):
+        checked.failed[2] = err  # type: ignore[index]  # read-only
+    for bad, why in (([0], "a mapping"), ({1: err}, "batch indices of grammar.request"), ({True: err}, "batch")):
+        with pytest.raises(BudgetError, match=rf"^grammar\.failed: expected {why}"):
+            check_draft_masks(DraftMasks(*base, failed=bad), layout)  # type: ignore[arg-type]
