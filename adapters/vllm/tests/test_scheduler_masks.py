@@ -22,7 +22,7 @@ import tiny_model
 import torch
 from maskplug_vllm import patches
 from maskplug_vllm import scheduler as mp_sched
-from maskplug_vllm.backend import MaskplugBackend, MaskplugGrammar
+from maskplug_vllm.backend import MaskplugBackend
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
@@ -66,7 +66,6 @@ def _request(grammar: Any) -> SimpleNamespace:
 
 def test_rows_identical_to_vllm_xgrammar_path(tokenizer: Any) -> None:
     vocab_size = tiny_model.VOCAB_SIZE
-    eos = {int(tokenizer.eos_token_id)}
     theirs_backend = XgrammarBackend(_vllm_config(), tokenizer=tokenizer, vocab_size=vocab_size)
     ours_backend = MaskplugBackend(_vllm_config(), tokenizer, vocab_size, "xgrammar")
     theirs_mgr, ours_mgr = _manager(theirs_backend), _manager(ours_backend)
@@ -75,27 +74,12 @@ def test_rows_identical_to_vllm_xgrammar_path(tokenizer: Any) -> None:
     schemas = tiny_model.schema_texts()
     checked_rows = 0
     for step in range(150):
-        n = int(rng.integers(1, 6))
-        ids = [f"s{step}-{i}" for i in range(n)]
-        theirs_req, ours_req, spec = {}, {}, {}
-        for rid in ids:
-            schema = schemas[int(rng.integers(0, len(schemas)))]
-            g_ours = ours_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
-            g_theirs = theirs_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
-            # Histories never end the grammar (finished requests are not scheduled; see the
-            # terminated-grammar difference below); drafts may.
-            history = tiny_model.walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
-            assert g_theirs.accept_tokens(rid, history)
-            probe = g_ours.matcher.fork()
-            drafts = tiny_model.walk(
-                MaskplugGrammar(probe, g_ours.spec), rng, int(rng.integers(0, NUM_SPEC + 1)), vocab_size
-            )
-            if drafts and rng.random() < 0.2:
-                drafts[int(rng.integers(0, len(drafts))) :] = [-1] * (len(drafts) - int(rng.integers(0, len(drafts))))
-            if drafts:
-                spec[rid] = drafts
-            theirs_req[rid], ours_req[rid] = _request(g_theirs), _request(g_ours)
-        order = [ids[i] for i in rng.permutation(n)]
+        # Histories never end the grammar (finished requests are not scheduled; see the
+        # terminated-grammar difference below); drafts may.
+        ids, theirs_req, ours_req, spec = tiny_model.random_requests(
+            rng, step, tokenizer, theirs_backend, ours_backend, schemas, _request, NUM_SPEC
+        )
+        order = [ids[i] for i in rng.permutation(len(ids))]
         want = StructuredOutputManager.grammar_bitmask(theirs_mgr, theirs_req, order, spec).copy()
         got = ours_mgr_fill(ours_mgr, ours_req, order, spec).copy()
         assert got.shape == want.shape == (sum(1 + len(spec.get(r, ())) for r in order), (vocab_size + 31) // 32)

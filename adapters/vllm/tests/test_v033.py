@@ -105,39 +105,6 @@ def _used(spec: dict[str, list[int]], order: list[str]) -> np.ndarray:
     return pos < need
 
 
-def _random_step(
-    rng: np.random.Generator,
-    step: int,
-    tokenizer: Any,
-    theirs_backend: Any,
-    ours_backend: MaskplugBackend,
-    schemas: list[str],
-) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, list[int]]]:
-    """Requests on both backends with the same schema and history, and grammar-valid drafts (some padded)."""
-    eos = {int(tokenizer.eos_token_id)}
-    n = int(rng.integers(1, 6))
-    ids = [f"s{step}-{i}" for i in range(n)]
-    theirs_req, ours_req, spec = {}, {}, {}
-    for rid in ids:
-        schema = schemas[int(rng.integers(0, len(schemas)))]
-        g_ours = ours_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
-        g_theirs = theirs_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
-        # Histories never end the grammar (finished requests are not scheduled); drafts may.
-        history = tiny_model.walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
-        assert g_theirs.accept_tokens(rid, history)
-        probe = g_ours.matcher.fork()
-        drafts = tiny_model.walk(
-            MaskplugGrammar(probe, g_ours.spec), rng, int(rng.integers(0, NUM_SPEC + 1)), tiny_model.VOCAB_SIZE
-        )
-        if drafts and rng.random() < 0.2:  # vLLM pads missing drafts with -1 (the list keeps its length)
-            cut = int(rng.integers(0, len(drafts)))
-            drafts[cut:] = [-1] * (len(drafts) - cut)
-        if drafts:
-            spec[rid] = drafts
-        theirs_req[rid], ours_req[rid] = _request(g_theirs), _request(g_ours)
-    return ids, theirs_req, ours_req, spec
-
-
 # ----------------------------------------------------------------- producer --
 
 
@@ -152,7 +119,9 @@ def test_fixed_rows_identical_to_vllm_033_xgrammar_path(tokenizer: Any) -> None:
     schemas = tiny_model.schema_texts()
     checked_rows = unused_rows = 0
     for step in range(150):
-        ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+        ids, theirs_req, ours_req, spec = tiny_model.random_requests(
+            rng, step, tokenizer, theirs_backend, ours_backend, schemas, _request, NUM_SPEC
+        )
         order = [ids[i] for i in rng.permutation(len(ids))]
         want = StructuredOutputManager.grammar_bitmask(theirs_mgr, theirs_req, order, spec).copy()
         got = fill(ours_mgr, ours_req, order, spec).copy()
@@ -276,7 +245,9 @@ def test_rows_end_to_end_match_vllm_033_on_both_consumers(tokenizer: Any, monkey
     schemas = tiny_model.schema_texts()
     regimes = {"full": 0, "partial": 0, "zero": 0}
     for step in range(60):
-        ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+        ids, theirs_req, ours_req, spec = tiny_model.random_requests(
+            rng, step, tokenizer, theirs_backend, ours_backend, schemas, _request, NUM_SPEC
+        )
         # Batch order differs from the producer's order; one request without a grammar.
         plain = f"plain{step}"
         batch_ids = [*ids, plain]
@@ -361,7 +332,9 @@ def test_batch_sharded_sampling_splits_maskplug_rows_by_request(tokenizer: Any) 
     schemas = tiny_model.schema_texts()
     split = 0
     for step in range(30):
-        ids, theirs_req, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+        ids, theirs_req, ours_req, spec = tiny_model.random_requests(
+            rng, step, tokenizer, theirs_backend, ours_backend, schemas, _request, NUM_SPEC
+        )
         order = [ids[i] for i in rng.permutation(len(ids))]
         want_rows = StructuredOutputManager.grammar_bitmask(theirs_mgr, theirs_req, order, spec).copy()
         got_rows = fill(ours_mgr, ours_req, order, spec).copy()
@@ -405,7 +378,9 @@ def test_reasoning_gate_falls_back_to_vllm_033_loop_over_maskplug_grammars(token
     with pytest.MonkeyPatch.context() as m:
         m.setattr(StructuredOutputManager, "_fill_bitmasks", counting_fill)
         for step in range(20):
-            ids, _, ours_req, spec = _random_step(rng, step, tokenizer, theirs_backend, ours_backend, schemas)
+            ids, _, ours_req, spec = tiny_model.random_requests(
+                rng, step, tokenizer, theirs_backend, ours_backend, schemas, _request, NUM_SPEC
+            )
             order = [ids[i] for i in rng.permutation(len(ids))]
             before = len(calls)
             via_vllm = fill(gated, ours_req, order, spec).copy()

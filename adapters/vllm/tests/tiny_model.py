@@ -174,6 +174,52 @@ def walk(
     return out
 
 
+def random_requests(
+    rng: np.random.Generator,
+    step: int,
+    tokenizer: Any,
+    theirs_backend: Any,
+    ours_backend: Any,
+    schemas: list[str],
+    request: Any,
+    num_spec: int,
+) -> tuple[list[str], dict[str, Any], dict[str, Any], dict[str, list[int]]]:
+    """One random step's requests on two structured-output backends, and their drafts.
+
+    Between one and five requests, each with a random schema of ``schemas`` compiled by both
+    ``theirs_backend`` (vLLM's) and ``ours_backend`` (the adapter's ``MaskplugBackend``), the
+    same random history accepted by both, and up to ``num_spec`` grammar-valid drafts, some
+    padded with ``-1`` as vLLM pads missing drafts (the list keeps its length). ``request``
+    wraps a grammar as vLLM's scheduler holds it. Returns the request ids, the requests of
+    each side by id, and the drafts by id (requests without drafts left out).
+    """
+    from maskplug_vllm.backend import MaskplugGrammar
+    from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
+    eos = {int(tokenizer.eos_token_id)}
+    n = int(rng.integers(1, 6))
+    ids = [f"s{step}-{i}" for i in range(n)]
+    theirs: dict[str, Any] = {}
+    ours: dict[str, Any] = {}
+    spec: dict[str, list[int]] = {}
+    for rid in ids:
+        schema = schemas[int(rng.integers(0, len(schemas)))]
+        g_ours = ours_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
+        g_theirs = theirs_backend.compile_grammar(StructuredOutputOptions.JSON, schema, stop_token_ids=eos)
+        # Histories never end the grammar (finished requests are not scheduled); drafts may.
+        history = walk(g_ours, rng, int(rng.integers(0, 40)), len(tokenizer), frozenset(eos))
+        assert g_theirs.accept_tokens(rid, history)
+        probe = MaskplugGrammar(g_ours.matcher.fork(), g_ours.spec)
+        drafts = walk(probe, rng, int(rng.integers(0, num_spec + 1)), VOCAB_SIZE)
+        if drafts and rng.random() < 0.2:
+            cut = int(rng.integers(0, len(drafts)))
+            drafts[cut:] = [-1] * (len(drafts) - cut)
+        if drafts:
+            spec[rid] = drafts
+        theirs[rid], ours[rid] = request(g_theirs), request(g_ours)
+    return ids, theirs, ours, spec
+
+
 #: The characters xgrammar's length-bounded strings admit raw although JSON forbids them: every control
 #: character but CR and LF (TAB included; pinned by
 #: test_engine.py's test_xgrammar_length_bounded_strings_admit_raw_control_characters).
