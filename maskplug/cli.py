@@ -274,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drafts", type=_int_at_least(0), default=None, help="drafts per decoding request and step (default 4)"
     )
-    p.add_argument("--provider", default="xgrammar", help="grammar provider (default xgrammar)")
+    p.add_argument(
+        "--provider",
+        default="auto",
+        help="grammar provider (default auto: each grammar compiled by the provider best suited to it); "
+        "a grammar that does not compile fails that request alone",
+    )
     p.add_argument("--backend", default="auto", help="kernel backend (default auto)")
     p.add_argument(
         "--scheduler",

@@ -32,6 +32,8 @@ class DemoReport:
     backend: str = ""
     #: the tree drafter's shape when tree schedulers ran (``tree:INNER``), else None
     tree: TreeConfig | None = None
+    #: requests that failed alone (request index -> (request name, why: its grammar did not compile))
+    failures: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def violations(self) -> int:
@@ -87,6 +89,7 @@ def run_demo(
             else:
                 sim = Simulation(config, name, workload, target, cost, on_step=tick, structural=structural)
             report.results[name] = sim.run()
+    report.failures = dict(workload.failures)
     report.run_s = time.perf_counter() - t0 - report.setup_s
     return report
 
@@ -100,6 +103,8 @@ def format_json(report: DemoReport, timing: bool = True) -> str:
     }
     if report.tree is not None:
         obj["config"]["tree"] = report.tree.as_json(report.config.drafts)
+    if report.failures:  # only when some request failed: a run without failures keeps its record
+        obj["failed_requests"] = {str(i): {"request": name, "error": why} for i, (name, why) in report.failures.items()}
     return json.dumps(obj, indent=2, sort_keys=False)
 
 
@@ -170,6 +175,12 @@ def format_table(report: DemoReport) -> str:
             "budget over tree nodes, same cost model and token limit;",
             "verified greedily for every request (requests that sample in chain rows take the argmax in tree rows).",
         ]
+    if report.failures:
+        lines.append(
+            f"failed requests: {len(report.failures)}, each alone (its grammar did not compile; the run went on):"
+        )
+        for i, (name, why) in list(report.failures.items())[:5]:
+            lines.append(f"  request {i} ({name}): {why}")
     for name, r in report.results.items():
         for v in r.violations[:5]:
             lines.append(f"  {name}: {v}")
