@@ -13,18 +13,33 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from maskplug import GrammarError, PluginError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
+from maskplug.grammar.rows import stop_row
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
-__all__ = ["MaskplugBackend", "MaskplugGrammar", "provider_for", "spec_from_vllm", "vocab_from_tokenizer"]
+__all__ = [
+    "ERROR_PREFIX",
+    "MaskplugBackend",
+    "MaskplugGrammar",
+    "bind_grammars",
+    "fail_requests",
+    "producer_matcher",
+    "provider_for",
+    "spec_from_vllm",
+    "vocab_from_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
+
+ERROR_PREFIX = "maskplug grammar error: "
+"""How the ``stop_reason`` of a request whose grammar failed begins (the error text follows)."""
 
 # vLLM's backend names and the maskplug provider that does the same job.
 _VLLM_TO_PROVIDER = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines-core"}
@@ -92,47 +107,247 @@ _Backend, _Grammar = _base_classes()
 
 
 class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
-    """One request's grammar state, as vLLM's scheduler sees it."""
+    """One request's grammar state, as vLLM's scheduler sees it.
 
-    def __init__(self, matcher: Matcher, spec: GrammarSpec) -> None:
+    A grammar can fail: the producer reports it (:attr:`maskplug.DraftMasks.failed`),
+    or its matcher raises inside one of the methods below. It then holds the
+    :class:`~maskplug.GrammarError` in :attr:`error` and never calls its
+    matcher again: its mask rows allow only the request's stop tokens, it
+    validates no draft, and :meth:`accept_tokens` returns False, which makes
+    vLLM's scheduler finish the request with ``FinishReason.ERROR``; the error
+    text becomes the request's ``stop_reason`` (see :meth:`fail`). No
+    exception from a matcher reaches vLLM's scheduler.
+
+    Args:
+        matcher: the request's maskplug matcher.
+        spec: the grammar it matches.
+        vocab: the vocabulary with the request's stop tokens (the stop-only
+            row of a failed grammar); default: the matcher's own.
+    """
+
+    def __init__(self, matcher: Matcher, spec: GrammarSpec, vocab: Vocab | None = None) -> None:
         self.matcher = matcher
         self.spec = spec
         self.num_processed_tokens = 0
+        self.vocab: Vocab | None = vocab if vocab is not None else getattr(matcher, "vocab", None)
+        self.error: GrammarError | None = None
+        self.request_id: str | None = None
+        self._request: Callable[[], Any] | None = None
+        self._stop: torch.Tensor | None = None
+        self._failed: _FailedMatcher | None = None
 
+    # -- failure -----------------------------------------------------------------
+    @property
+    def error_text(self) -> str | None:
+        """What the request's output reports as its ``stop_reason`` once the grammar failed."""
+        return None if self.error is None else f"{ERROR_PREFIX}{self.error}"
+
+    def bind(self, request: Any) -> None:
+        """Remember vLLM's ``Request`` this grammar serves (weakly), for its id and ``stop_reason``."""
+        if self._request is None or self._request() is not request:
+            try:
+                self._request = weakref.ref(request)
+            except TypeError:  # an object without weak references (vLLM's Request has them)
+                self._request = lambda: request
+            self.request_id = str(getattr(request, "request_id", self.request_id))
+
+    def fail(self, error: BaseException, request_id: str | None = None) -> None:
+        """Fail this grammar with ``error`` (a no-op once failed): logged once, naming the request.
+
+        From then on the matcher is not called again; the request finishes
+        with ``FinishReason.ERROR`` at its next emitted tokens, its
+        ``stop_reason`` the error text.
+        """
+        if self.error is not None:
+            return
+        if request_id is not None:
+            self.request_id = request_id
+        text = (
+            str(error)
+            if isinstance(error, GrammarError)
+            else f"the matcher raised {type(error).__name__}: {_brief(error)}"
+        )
+        err = GrammarError(text if self.request_id is None else f"request {self.request_id!r}: {text}")
+        err.__cause__ = error
+        self.error = err
+        logger.error("maskplug: a grammar failed, its request finishes with an error: %s", err)
+        self._report()
+
+    def _report(self) -> None:
+        req = self._request() if self._request is not None else None
+        if req is not None and self.error is not None:
+            req.stop_reason = self.error_text
+
+    def _raised(self, exc: Exception, doing: str) -> None:
+        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {_brief(exc)}")
+        err.__cause__ = exc
+        self.fail(err)
+
+    # -- vLLM's grammar interface ----------------------------------------------------
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
-        """Advance by the emitted tokens; tokens after termination are ignored (vLLM's convention)."""
-        for t in tokens:
-            if self.matcher.is_terminated():
-                break
-            if not self.matcher.accept(int(t)):
-                logger.error("maskplug grammar for request %s refused emitted token %s", request_id, t)
-                return False
-            self.num_processed_tokens += 1
-        return True
+        """Advance by the emitted tokens; tokens after termination are ignored (vLLM's convention).
+
+        False for a refused token (vLLM then finishes the request with an
+        error) and for a failed grammar, whose error text becomes the
+        request's ``stop_reason``.
+        """
+        if self.error is None:
+            try:
+                for t in tokens:
+                    if self.matcher.is_terminated():
+                        break
+                    if not self.matcher.accept(int(t)):
+                        logger.error("maskplug grammar for request %s refused emitted token %s", request_id, t)
+                        return False
+                    self.num_processed_tokens += 1
+                return True
+            except Exception as exc:
+                self.request_id = request_id
+                self._raised(exc, f"accepting emitted tokens {list(tokens)[:16]}")
+        self._report()
+        return False
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        """The longest prefix of ``tokens`` the grammar accepts, without advancing."""
-        if self.matcher.is_terminated() or not tokens:
+        """The longest prefix of ``tokens`` the grammar accepts, without advancing (none once failed)."""
+        if self.error is not None or not tokens:
             return []
-        return list(tokens[: self.matcher.validate(tokens)])
+        try:
+            if self.matcher.is_terminated():
+                return []
+            return list(tokens[: self.matcher.validate(tokens)])
+        except Exception as exc:
+            self._raised(exc, "validating drafts")
+            return []
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens."""
-        self.matcher.rollback(num_tokens)
+        """Undo the last ``num_tokens`` accepted tokens (nothing once failed)."""
+        if self.error is not None:
+            return
+        try:
+            self.matcher.rollback(num_tokens)
+        except Exception as exc:
+            self._raised(exc, f"rolling back {num_tokens} tokens")
+            return
         self.num_processed_tokens -= num_tokens
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
-        """Write this state's allowed tokens into ``bitmask[batch_index]``."""
-        self.matcher.fill(bitmask, batch_index)
+        """Write this state's allowed tokens into ``bitmask[batch_index]`` (the stop-only row once failed)."""
+        if self.error is None:
+            try:
+                self.matcher.fill(bitmask, batch_index)
+                return
+            except Exception as exc:
+                self._raised(exc, f"filling mask row {batch_index}")
+        self.fill_stop_row(bitmask, batch_index)
+
+    def fill_stop_row(self, bitmask: torch.Tensor, batch_index: int) -> None:
+        """Write the row allowing only the request's stop tokens into ``bitmask[batch_index]``."""
+        row = bitmask[batch_index]
+        if self.vocab is None:
+            # No vocabulary to read the stop tokens from: the row stays open (a
+            # row allowing nothing cannot be sampled); the error finishes the request.
+            row.fill_(-1)
+            return
+        if self._stop is None:
+            self._stop = stop_row(self.vocab)
+        w = min(int(row.shape[0]), int(self._stop.shape[0]))
+        row.zero_()
+        row[:w] = self._stop[:w]
 
     def is_terminated(self) -> bool:
-        """Whether a stop token was accepted."""
-        return bool(self.matcher.is_terminated())
+        """Whether a stop token was accepted (False once failed: the stop-only row is still needed)."""
+        if self.error is not None:
+            return False
+        try:
+            return bool(self.matcher.is_terminated())
+        except Exception as exc:
+            self._raised(exc, "is_terminated")
+            return False
 
     def reset(self) -> None:
-        """Back to the start of the grammar."""
-        self.matcher.reset()
+        """Back to the start of the grammar (a failed grammar stays failed)."""
+        if self.error is not None:
+            return
+        try:
+            self.matcher.reset()
+        except Exception as exc:
+            self._raised(exc, "reset")
+            return
         self.num_processed_tokens = 0
+
+
+class _FailedMatcher:
+    """A failed grammar's stand-in for the mask-row producer: every call raises its error.
+
+    :func:`maskplug.fill_draft_masks` then gives the request the stop-only
+    rows (and reports it again in ``DraftMasks.failed``) without the real
+    matcher being touched.
+    """
+
+    batch_ops = None
+    releases_gil = False
+
+    def __init__(self, vocab: Vocab | None, error: GrammarError) -> None:
+        self.vocab = vocab
+        self._text = str(error)
+
+    def _error(self) -> GrammarError:
+        return GrammarError(f"the grammar failed earlier: {self._text}")
+
+    def accept(self, token: int) -> bool:
+        raise self._error()
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        raise self._error()
+
+    def rollback(self, n: int) -> None:
+        raise self._error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        raise self._error()
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        raise self._error()
+
+    def fork(self) -> Matcher:
+        raise self._error()
+
+
+def producer_matcher(grammar: Any) -> Any:
+    """The matcher the mask-row producer gets for one request's grammar (a raising stand-in once it failed)."""
+    if isinstance(grammar, MaskplugGrammar) and grammar.error is not None:
+        if grammar._failed is None:
+            grammar._failed = _FailedMatcher(grammar.vocab, grammar.error)
+        return grammar._failed
+    return grammar.matcher
+
+
+def _brief(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def bind_grammars(requests: Mapping[str, Any], request_ids: Sequence[str]) -> list[Any]:
+    """The step's grammars in ``request_ids`` order, each maskplug grammar bound to its vLLM ``Request``."""
+    out = []
+    for r in request_ids:
+        req = requests[r]
+        g = req.structured_output_request.grammar
+        if isinstance(g, MaskplugGrammar) and (g._request is None or g._request() is not req):
+            g.bind(req)
+        out.append(g)
+    return out
+
+
+def fail_requests(grammars: Sequence[Any], request_ids: Sequence[str], failed: Mapping[int, GrammarError]) -> None:
+    """Fail the grammars the producer reported (``failed``: index in ``request_ids`` → error), each logged once."""
+    for g, err in failed.items():
+        gr = grammars[g]
+        if isinstance(gr, MaskplugGrammar):
+            gr.fail(err, request_ids[g])
 
 
 class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
@@ -177,8 +392,9 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
     ) -> MaskplugGrammar:
         """Compile (cached by the provider) and start a matcher for one request."""
         spec = spec_from_vllm(request_type, grammar_spec)
-        compiled = self._provider(stop_token_ids).compile(spec)
-        return MaskplugGrammar(compiled.matcher(), spec)
+        provider = self._provider(stop_token_ids)
+        compiled = provider.compile(spec)
+        return MaskplugGrammar(compiled.matcher(), spec, provider.vocab)
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """A CPU int32 bitmask with ``max_num_seqs`` rows, all tokens allowed."""

@@ -27,7 +27,7 @@ import torch
 from maskplug import DraftMasks, GrammarRows, ScheduledLayout
 from maskplug.grammar import fill_draft_masks
 
-from .backend import MaskplugBackend, provider_for
+from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
 from .host import draft_counts
 
 __all__ = ["DRAFT_MASKS_ATTR", "fill_step_bitmask", "fill_step_rows", "make_grammar_bitmask", "make_grammar_init"]
@@ -83,7 +83,11 @@ def fill_step_rows(
 
     The draft masks are indexed in ``grammar_req_ids`` order (``request[g] == g``);
     with ``-1`` padding, ``acceptable`` counts within the window cut at the first
-    ``-1`` (a padded draft is never acceptable).
+    ``-1`` (a padded draft is never acceptable). A request whose grammar fails
+    (``DraftMasks.failed``, or a grammar that had already failed, whose
+    matcher is not called again) gets the stop-only rows; the others' rows
+    are those of the same step without it. Failing the grammars is the
+    caller's (:func:`~maskplug_vllm.backend.fail_requests`).
     """
     g = len(grammar_req_ids)
     nd = draft_counts(grammar_req_ids, spec_tokens)
@@ -94,7 +98,7 @@ def fill_step_rows(
     )
     ones = np.ones(g, dtype=np.int64)
     rows = GrammarRows(grammar_req_ids)
-    matchers = [gr.matcher for gr in grammars]
+    matchers = [producer_matcher(gr) for gr in grammars]
     total = int(nd.sum()) + g
     pad = flat < 0
     if not pad.any():
@@ -151,16 +155,20 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         setattr(self, DRAFT_MASKS_ATTR, None)
         if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        ids = list(structured_output_request_ids)
+        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
+        grammars = bind_grammars(requests, ids)
         reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
         if reasoning_gate or self.vllm_config.model_config.is_diffusion:
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        ids = list(structured_output_request_ids)
         need = len(ids) + sum(len(scheduled_spec_decode_tokens.get(r, ())) for r in ids)
         max_rows = self.vllm_config.scheduler_config.max_num_seqs * (1 + self.vllm_config.num_speculative_tokens)
         if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
             self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
-        grammars = [requests[r].structured_output_request.grammar for r in ids]
         total, dm = fill_step_rows(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens)
+        if dm.failed:
+            # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
+            fail_requests(grammars, ids, dm.failed)
         setattr(self, DRAFT_MASKS_ATTR, (ids, dm))
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
         return self._grammar_bitmask[:total].numpy()

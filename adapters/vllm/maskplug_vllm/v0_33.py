@@ -32,10 +32,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from maskplug import GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bitmask
+from maskplug import DraftMasks, GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bitmask
 from maskplug.grammar import fill_draft_masks
 
-from .backend import MaskplugBackend, provider_for
+from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
 from .host import StepRows, draft_counts, step_rows
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "apply_compacted",
     "apply_scatter",
     "fill_step_bitmask",
+    "fill_step_rows",
     "fixed_step_rows",
     "make_grammar_bitmask",
     "make_grammar_init",
@@ -192,12 +193,28 @@ def fill_step_bitmask(
 ) -> int:
     """Fill one step's fixed-layout rows into ``bitmask``; returns how many rows were written.
 
+    :func:`fill_step_rows` without the draft masks.
+    """
+    return fill_step_rows(bitmask, grammars, grammar_req_ids, spec_tokens, stride)[0]
+
+
+def fill_step_rows(
+    bitmask: torch.Tensor,
+    grammars: list[Any],
+    grammar_req_ids: list[str],
+    spec_tokens: Mapping[str, Sequence[int]],
+    stride: int,
+) -> tuple[int, DraftMasks]:
+    """Fill one step's fixed-layout rows into ``bitmask``; returns how many rows were written and the draft masks.
+
     Request ``g`` (``grammar_req_ids`` order) owns rows ``g * stride`` to
     ``(g + 1) * stride - 1``. vLLM pads missing drafts with ``-1``: the rows up
     to the first ``-1`` are constrained, the rest open. In the fixed layout
     that is exactly the window cut at the first ``-1``: its last row is the
     cut window's bonus row, and every row past it is an unused (all-allowed)
-    row of the block.
+    row of the block. A request whose grammar fails (``DraftMasks.failed``,
+    indexed in ``grammar_req_ids`` order, or a grammar that had already
+    failed) gets the stop-only rows; the others are unaffected.
     """
     g = len(grammar_req_ids)
     nd = draft_counts(grammar_req_ids, spec_tokens)
@@ -218,9 +235,9 @@ def fill_step_bitmask(
         drafts.append(toks[: int(cut[i])])
     flat = np.fromiter((t for d in drafts for t in d), dtype=np.int64, count=int(cut.sum()))
     layout = ScheduledLayout(grammar_req_ids, cut, np.ones(g, dtype=np.int64))
-    matchers = [gr.matcher for gr in grammars]
-    fill_draft_masks(matchers, flat, bitmask, GrammarRows(grammar_req_ids, "fixed", stride), layout)
-    return g * stride
+    matchers = [producer_matcher(gr) for gr in grammars]
+    dm = fill_draft_masks(matchers, flat, bitmask, GrammarRows(grammar_req_ids, "fixed", stride), layout)
+    return g * stride, dm
 
 
 def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -264,18 +281,22 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         # A reasoning parser that gates the grammar inside the window (and the
         # masked reasoning-end tokens that come with it), and diffusion models
         # (no bonus row), stay on vLLM's own loop over the same grammars.
+        ids = list(structured_output_request_ids)
+        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
+        grammars = bind_grammars(requests, ids)
         reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
         if reasoning_gate or self.vllm_config.model_config.is_diffusion:
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        ids = list(structured_output_request_ids)
         num_spec = int(self.vllm_config.num_speculative_tokens)
         stride = num_spec + 1
         need = len(ids) * stride
         max_rows = self.vllm_config.scheduler_config.max_num_seqs * stride
         if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
             self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
-        grammars = [requests[r].structured_output_request.grammar for r in ids]
-        total = fill_step_bitmask(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, stride)
+        total, dm = fill_step_rows(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, stride)
+        if dm.failed:
+            # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
+            fail_requests(grammars, ids, dm.failed)
         return self._grammar_bitmask[:total].numpy()
 
     grammar_bitmask.__doc__ = orig.__doc__
