@@ -22,14 +22,20 @@ SGLang's calling conventions, kept exactly:
   object per key and hands out copies);
 * a grammar that fails to compile is an ``InvalidGrammarObject`` carrying the
   reason.
+
+A grammar whose matcher fails while serving a request (an exception inside
+it, or :attr:`maskplug.DraftMasks.failed` from a producer) fails that request
+alone: see :class:`MaskplugGrammar` and :func:`abort_failed_requests`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from http import HTTPStatus
 from typing import Any
 
 import numpy as np
@@ -54,19 +60,30 @@ from maskplug.grammar import (
     grammar_providers,
 )
 from maskplug.grammar.base import check_bitmask
+from maskplug.grammar.checks import check_token
+from maskplug.grammar.rows import stop_row
 
 from .vocab import vocab_from_tokenizer
 
 __all__ = [
     "DEFAULT_PROVIDER",
+    "ERROR_PREFIX",
     "PROVIDER_ENV",
     "MaskplugGrammar",
     "MaskplugGrammarBackend",
     "TokenRejected",
+    "abort_failed_requests",
     "allocate_mask",
     "apply_mask",
+    "fail_grammars",
     "fill_draft_chains",
+    "producer_matcher",
 ]
+
+logger = logging.getLogger(__name__)
+
+ERROR_PREFIX = "maskplug grammar error: "
+"""How the abort message of a request whose grammar failed begins (the error text follows)."""
 
 PROVIDER_ENV = "MASKPLUG_SGLANG_PROVIDER"
 """Environment variable naming the maskplug grammar provider the backend uses."""
@@ -171,6 +188,22 @@ def apply_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, backend: str = "a
 class MaskplugGrammar(BaseGrammarObject):
     """One request's grammar: SGLang's ``BaseGrammarObject`` on a maskplug matcher.
 
+    A grammar can fail: a producer reports it (:attr:`maskplug.DraftMasks.failed`,
+    see :func:`fill_draft_chains` and :func:`maskplug_sglang.dspark.fill_verify_rows`),
+    or its matcher raises inside one of the methods below. It then holds the
+    :class:`~maskplug.GrammarError` in :attr:`error` and never calls its
+    matcher again: its mask rows allow only the stop tokens and it walks no
+    draft. The request ends with that error as its abort message, once:
+    either a producer that knows the request aborts it
+    (:func:`abort_failed_requests`), or the next :meth:`accept_token`
+    raises the error as a ``ValueError``, which every SGLang commit path
+    turns into ``FINISH_ABORT`` with the message (logged with the request
+    id). No other exception from a matcher reaches SGLang.
+
+    Bad arguments (a token id outside the vocabulary, a mask of the wrong
+    width, a rollback past the start) still raise
+    :class:`~maskplug.GrammarError` naming the argument, with nothing changed.
+
     Args:
         compiled: the provider's compiled grammar (copies start from it).
         vocab: the vocabulary the grammar was compiled for.
@@ -194,34 +227,97 @@ class MaskplugGrammar(BaseGrammarObject):
         self.key_string = key_string
         self.grammar_stats = grammar_stats
         self.num_accepted = 0
+        self.error: GrammarError | None = None
+        self.error_reported = False
+        self._failed: _FailedMatcher | None = None
+        self._stop: torch.Tensor | None = None
+
+    # -- failure -------------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """Fail this grammar with ``error`` (a no-op once failed); the matcher is not called again."""
+        if self.error is not None:
+            return
+        text = (
+            str(error)
+            if isinstance(error, GrammarError)
+            else f"the matcher raised {type(error).__name__}: {_brief(error)}"
+        )
+        err = GrammarError(f"{text} (grammar key {' '.join(self._short_key().split())})")
+        err.__cause__ = error
+        self.error = err
+
+    @property
+    def abort_message(self) -> str | None:
+        """The request's abort message once the grammar failed."""
+        return None if self.error is None else f"{ERROR_PREFIX}{self.error}"
+
+    def _raised(self, exc: Exception, doing: str) -> None:
+        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {_brief(exc)}")
+        err.__cause__ = exc
+        self.fail(err)
+
+    def _stop_row(self, vocab_mask: torch.Tensor, idx: int) -> None:
+        if self._stop is None:
+            self._stop = stop_row(self.vocab)
+        row = vocab_mask[idx]
+        w = min(int(row.shape[0]), int(self._stop.shape[0]))
+        row.zero_()
+        row[:w] = self._stop[:w].to(row.device)
 
     # -- tokens ------------------------------------------------------------------
     def accept_token(self, token: int) -> None:
         """Advance by ``token``; raises :class:`TokenRejected` if the grammar refuses it.
 
         Once the grammar has terminated, further tokens are ignored (SGLang
-        feeds the tokens of a finished step through here).
+        feeds the tokens of a finished step through here). A failed grammar
+        raises its error (a :class:`~maskplug.GrammarError`, so a
+        ``ValueError``: SGLang aborts the request with it) unless the request
+        was already aborted for it; then the token is ignored.
         """
-        if self.matcher.is_terminated():
+        if self.error is None:
+            check_token(token, self.vocab)  # bad input is the caller's error, not the grammar's
+            try:
+                if self.matcher.is_terminated():
+                    return
+                self.current_token = token
+                ok = self.matcher.accept(token)
+            except Exception as exc:
+                self._raised(exc, f"accepting token {token}")
+            else:
+                if not ok:
+                    raise TokenRejected(
+                        f"token: expected a token the grammar allows after {self.num_accepted} accepted tokens, "
+                        f"got {token} (grammar key {self._short_key()})"
+                    )
+                self.num_accepted += 1
+                return
+        if self.error_reported:
             return
-        self.current_token = token
-        if not self.matcher.accept(token):
-            raise TokenRejected(
-                f"token: expected a token the grammar allows after {self.num_accepted} accepted tokens, "
-                f"got {token} (grammar key {self._short_key()})"
-            )
-        self.num_accepted += 1
+        self.error_reported = True
+        raise GrammarError(self.abort_message)
 
     def rollback(self, k: int) -> None:
-        """Undo the last ``k`` accepted tokens (an accepted stop token counts as one)."""
+        """Undo the last ``k`` accepted tokens (an accepted stop token counts as one; nothing once failed)."""
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.num_accepted:
             raise GrammarError(f"k: expected an int in [0, {self.num_accepted}] (tokens accepted so far), got {k!r}")
-        self.matcher.rollback(int(k))
+        if self.error is not None:
+            return
+        try:
+            self.matcher.rollback(int(k))
+        except Exception as exc:
+            self._raised(exc, f"rolling back {int(k)} tokens")
+            return
         self.num_accepted -= int(k)
 
     def is_terminated(self) -> bool:
-        """Whether a stop token was accepted."""
-        return self.matcher.is_terminated()
+        """Whether a stop token was accepted (False once failed: its stop-only rows are still needed)."""
+        if self.error is not None:
+            return False
+        try:
+            return bool(self.matcher.is_terminated())
+        except Exception as exc:
+            self._raised(exc, "is_terminated")
+            return False
 
     # -- masks -------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
@@ -240,30 +336,49 @@ class MaskplugGrammar(BaseGrammarObject):
         return allocate_mask(vocab_size, batch_size)
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        """Write this grammar's allowed set into ``vocab_mask[idx]``."""
-        self.matcher.fill(vocab_mask, idx)
+        """Write this grammar's allowed set into ``vocab_mask[idx]`` (the stop-only row once failed).
+
+        A bad ``vocab_mask`` or ``idx`` raises :class:`~maskplug.GrammarError`
+        before anything is written (the caller's error, not the grammar's).
+        """
+        check_bitmask(vocab_mask, idx, self.vocab)
+        if self.error is None:
+            try:
+                self.matcher.fill(vocab_mask, idx)
+                return
+            except Exception as exc:
+                self._raised(exc, f"filling mask row {idx}")
+        self._stop_row(vocab_mask, idx)
 
     @staticmethod
     def fill_vocab_mask_batched(entries: list[GrammarRow], vocab_mask: torch.Tensor) -> None:
-        """Fill the listed rows (others untouched), one batched call per provider where it has one."""
-        groups: dict[int, tuple[Any, list[Matcher], list[int]]] = {}
+        """Fill the listed rows (others untouched), one batched call per provider where it has one.
+
+        Should a batched call raise, its rows are filled again one grammar at
+        a time, so that only the grammars whose own matcher raises fail.
+        """
+        groups: dict[int, tuple[Any, list[MaskplugGrammar], list[int]]] = {}
         rest: list[GrammarRow] = []
         for entry in entries:
             g = entry.grammar
             ops = getattr(getattr(g, "matcher", None), "batch_ops", None)
-            if isinstance(g, MaskplugGrammar) and ops is not None:
+            if isinstance(g, MaskplugGrammar) and ops is not None and g.error is None:
                 grp = groups.setdefault(id(ops), (ops, [], []))
-                grp[1].append(g.matcher)
+                grp[1].append(g)
                 grp[2].append(int(entry.row))
             else:
                 rest.append(entry)
-        for ops, matchers, rows in groups.values():
+        for ops, grammars, rows in groups.values():
             # The batch call trusts its buffer: check the width and every row first.
             r = np.asarray(rows, dtype=np.int64)
-            check_bitmask(vocab_mask, int(r.max()), matchers[0].vocab)  # type: ignore[attr-defined]
+            check_bitmask(vocab_mask, int(r.max()), grammars[0].matcher.vocab)  # type: ignore[attr-defined]
             if r.min() < 0:
                 raise GrammarError(f"entries: expected rows in [0, {vocab_mask.shape[0]}), got row {int(r.min())}")
-            ops.fill(matchers, vocab_mask, rows)
+            try:
+                ops.fill([g.matcher for g in grammars], vocab_mask, rows)
+            except Exception:
+                for g, row in zip(grammars, rows, strict=True):
+                    g.fill_vocab_mask(vocab_mask, row)
         for entry in rest:
             entry.grammar.fill_vocab_mask(vocab_mask, entry.row)
 
@@ -300,6 +415,15 @@ class MaskplugGrammar(BaseGrammarObject):
         so it is taken and the walk goes on. It stops where the output could
         end (a stop token is allowed) or branch. The state is left unchanged.
         """
+        if self.error is not None:
+            return None
+        try:
+            return self._jump_forward(tokenizer)
+        except Exception as exc:
+            self._raised(exc, "a jump-forward walk")
+            return None
+
+    def _jump_forward(self, tokenizer: Any) -> tuple[list[int], str] | None:
         if self.matcher.is_terminated():
             return None
         scratch = self.vocab.new_bitmask(1)
@@ -368,6 +492,14 @@ class MaskplugGrammar(BaseGrammarObject):
         for t in new_output_ids[k:]:
             self.accept_token(int(t))
 
+    def producer_matcher(self) -> Matcher:
+        """The matcher a mask-row producer gets: the real one, or once failed a stand-in that raises its error."""
+        if self.error is None:
+            return self.matcher
+        if self._failed is None:
+            self._failed = _FailedMatcher(self.vocab, self.error)
+        return self._failed
+
     def _short_key(self) -> str:
         key = self.key_string or "?"
         return key if len(key) <= 80 else key[:77] + "..."
@@ -377,6 +509,87 @@ class MaskplugGrammar(BaseGrammarObject):
             f"MaskplugGrammar(key={self._short_key()!r}, accepted={self.num_accepted}, "
             f"terminated={self.is_terminated()})"
         )
+
+
+class _FailedMatcher:
+    """A failed grammar's stand-in for a mask-row producer: every call raises its error.
+
+    :func:`maskplug.fill_draft_masks` then gives the request the stop-only
+    rows (and reports it again in ``DraftMasks.failed``) without the real
+    matcher being touched.
+    """
+
+    batch_ops = None
+    releases_gil = False
+
+    def __init__(self, vocab: Vocab, error: GrammarError) -> None:
+        self.vocab = vocab
+        self._text = str(error)
+
+    def _error(self) -> GrammarError:
+        return GrammarError(f"the grammar failed earlier: {self._text}")
+
+    def accept(self, token: int) -> bool:
+        raise self._error()
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        raise self._error()
+
+    def rollback(self, n: int) -> None:
+        raise self._error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        raise self._error()
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        raise self._error()
+
+    def fork(self) -> Matcher:
+        raise self._error()
+
+
+def producer_matcher(grammar: MaskplugGrammar) -> Matcher:
+    """The matcher a mask-row producer gets for ``grammar`` (a raising stand-in once it failed)."""
+    return grammar.producer_matcher()
+
+
+def fail_grammars(grammars: Sequence[Any], failed: Any) -> None:
+    """Fail the grammars a producer reported (``failed``: index into ``grammars`` → error)."""
+    for i, err in failed.items():
+        g = grammars[int(i)]
+        if isinstance(g, MaskplugGrammar):
+            g.fail(err)
+
+
+def abort_failed_requests(reqs: Sequence[Any]) -> list[Any]:
+    """Abort each request whose maskplug grammar failed and was not yet reported; returns their ids.
+
+    The request's ``to_finish`` becomes SGLang's ``FINISH_ABORT`` with the
+    grammar's error as its message (status 500, as SGLang's own grammar
+    failures), so it finishes at its next result; the error is logged once,
+    with the request id. Other requests are not touched.
+    """
+    aborted = []
+    for req in reqs:
+        g = getattr(req, "grammar", None)
+        if not isinstance(g, MaskplugGrammar) or g.error is None or g.error_reported:
+            continue
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        g.error_reported = True
+        rid = getattr(req, "rid", None)
+        logger.error("maskplug: the grammar of request %s failed, aborting it: %s", rid, g.error)
+        req.to_finish = FINISH_ABORT(g.abort_message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        aborted.append(rid)
+    return aborted
+
+
+def _brief(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def fill_draft_chains(
@@ -391,11 +604,15 @@ def fill_draft_chains(
     ``traverse_tree`` writes for a chain: rows after the first refused draft,
     or after an accepted stop token, stay all-allowed, as do the rows of
     requests without a grammar or whose grammar has terminated. The grammars
-    end in the state they started in.
+    end in the state they started in. A grammar that fails (its matcher
+    raises, a draft outside the vocabulary) gets the stop-only rows and is
+    failed (:meth:`MaskplugGrammar.fail`: its request is aborted with the
+    error at its next committed token); the other requests' rows are those of
+    the batch without it.
 
     Returns:
         For each request, how many drafts its grammar accepts (``-1`` where no
-        grammar was active).
+        grammar was active, 0 where it failed).
 
     Raises:
         LayoutError: shapes disagree (nothing written).
@@ -422,9 +639,11 @@ def fill_draft_chains(
     layout = ScheduledLayout(list(range(n)), [width - 1] * n, [1] * n, num_bonus=1)
     rows = GrammarRows(list(range(n)))
     scratch = torch.empty((n * width, int(vocab_mask.shape[1])), dtype=torch.int32)
-    matchers = [gs[i].matcher for i in active]  # type: ignore[union-attr]
+    matchers = [gs[i].producer_matcher() for i in active]  # type: ignore[union-attr]
     drafts = dt[active, 1:].astype(np.int64)
     got = fill_draft_masks(matchers, list(drafts), scratch, rows, layout)
+    # The producer's batch indices are positions in ``active``.
+    fail_grammars([gs[i] for i in active], got.failed)
     # Scatter each request's block to its own rows of SGLang's mask.
     dest = (np.asarray(active, dtype=np.int64)[:, None] * width + np.arange(width)[None, :]).reshape(-1)
     vocab_mask[torch.from_numpy(dest).to(vocab_mask.device)] = scratch.to(vocab_mask.device)

@@ -163,7 +163,11 @@ def fill_verify_rows(
     grammars are filled all at once with :func:`maskplug.fill_draft_masks`;
     any other ``BaseGrammarObject`` (SGLang's xgrammar backend, say) with
     SGLang's own ``traverse_tree`` on the chain cut to its verify length. The
-    grammars end in the state they started in.
+    grammars end in the state they started in. A maskplug grammar that fails
+    (its matcher raises, a draft outside the vocabulary) gets the stop-only
+    rows and is failed (``DraftMasks.failed`` names it by batch index); the
+    other requests' rows are those of the batch without it. Its request is
+    aborted by :func:`build_verify_mask` (or at its next committed token).
 
     Args:
         grammars: one grammar object (or None) per request.
@@ -205,7 +209,14 @@ def fill_verify_rows(
         keep = vl[ours]
         scratch = torch.empty((int(keep.sum()), int(vocab_mask.shape[1])), dtype=torch.int32)
         drafts = [ids[i, 1 : vl[i]] for i in ours.tolist()]
-        masks = maskplug.fill_draft_masks([gs[i].matcher for i in ours.tolist()], drafts, scratch, rows, layout)
+        masks = maskplug.fill_draft_masks(
+            [gs[i].producer_matcher() for i in ours.tolist()], drafts, scratch, rows, layout
+        )
+        if masks.failed:
+            from .backend import fail_grammars
+
+            # Only those requests fail: they got the stop-only rows (keys are batch indices).
+            fail_grammars(gs, masks.failed)
         # Each request's kept rows go to the head of its W-row block of SGLang's mask.
         start = np.repeat(ours * width, keep)
         offset = np.arange(int(keep.sum())) - np.repeat(np.cumsum(keep) - keep, keep)
@@ -255,7 +266,10 @@ def build_verify_mask(
     the step's verify lengths (None: the whole chain). ``barrier`` (the
     previous batch's grammar advance) runs first; the chain ids come from
     ``tree`` (a ``GrammarTree.from_linear_chain``), so the mask keeps SGLang's
-    row mapping (``bs × W`` rows, one per logits row).
+    row mapping (``bs × W`` rows, one per logits row). A request whose
+    grammar fails while its rows are produced gets the stop-only rows and is
+    aborted with the error (:func:`maskplug_sglang.backend.abort_failed_requests`);
+    the others go on as in the batch without it.
     """
     from sglang.srt.constrained.base_grammar_backend import GrammarMask
 
@@ -268,7 +282,10 @@ def build_verify_mask(
     ids = tree.resolve()[2]
     bs, width = int(ids.shape[0]), int(ids.shape[1])
     vocab_mask = first.allocate_vocab_mask(vocab_size=sampling_info.vocab_size, batch_size=bs * width, device="cpu")
-    fill_verify_rows(grammars, ids, vocab_mask, verify_lens)
+    if fill_verify_rows(grammars, ids, vocab_mask, verify_lens).failed:
+        from .backend import abort_failed_requests
+
+        abort_failed_requests(reqs)
     vocab_mask = vocab_mask.to(device, non_blocking=True)
     sampling_info.grammar_mask = None
     return GrammarMask(first, vocab_mask)

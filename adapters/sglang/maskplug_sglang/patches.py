@@ -259,6 +259,11 @@ def make_resolve_budget(orig: Callable[..., Any]) -> Callable[..., Any]:
             rows = live[0].allocate_vocab_mask(vocab_size=step.vocab_size, batch_size=bs * width, device="cpu")
             step.grammar = fill_verify_rows(grammars, ids, rows)
             step.rows = rows
+            if step.grammar.failed:
+                from .backend import abort_failed_requests
+
+                # Only those requests end (with their error); their drafts are worth nothing to the budget.
+                abort_failed_requests(step.reqs)
         req_ids = [getattr(r, "rid", i) for i, r in enumerate(step.reqs)]
         step.plan = planner.plan(req_ids, confidence.float(), grammar=step.grammar)
         draft_input.verify_token_budget = step.plan.budget
