@@ -17,12 +17,25 @@ token. Three ways to get there, all writing the same rows:
 Rows below a node the grammar refuses, and the row after an accepted stop
 token, are all-allowed (nothing valid reaches them), as for chains. The
 matchers end exactly where they started, also on error.
+
+Fault isolation, as for chains: one request's bad node ids (outside its
+vocabulary, or negative) or its matcher raising (in ``fill``, ``accept``,
+``rollback``, ``is_terminated``, the engine's tree walk, once or from a
+sticky error state) fail that request alone. Its rows allow only its stop
+tokens, none of its nodes is valid or forced, and
+:attr:`~maskplug.TreeMasks.failed` maps its batch index to the
+:class:`~maskplug.GrammarError`; every other request is served exactly as
+in the same batch without it. The depth-first walk rolls a failed matcher
+back by the tokens it had accepted (the error says when that raised too:
+the matcher should then be dropped); the engine's own tree walk leaves its
+matcher where it started, also when it raises (its contract).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -33,8 +46,10 @@ from .draftmasks import DraftMasks
 from .errors import GrammarError, LayoutError
 from .grammar import fill_draft_masks
 from .grammar.checks import check_bitmask
+from .grammar.draft import _brief
 from .grammar.pools import shared_pool
 from .grammar.protocols import Matcher
+from .grammar.rows import stop_row
 from .layout import GrammarRows, ScheduledLayout
 from .trees import DraftTree, TreeMasks
 
@@ -137,7 +152,10 @@ def _walk_native(
     valid: npt.NDArray[np.bool_],
     filled: npt.NDArray[np.bool_],
 ) -> None:
-    """One request through the engine's tree walk; validity read back from the rows it wrote."""
+    """One request through the engine's tree walk; validity read back from the rows it wrote.
+
+    An exception from the engine propagates (its walk ends where it started, also then).
+    """
     walk = native_tree_walker(m)
     assert walk is not None
     d = parents.shape[0]
@@ -160,8 +178,13 @@ def _walk_native(
         filled[j + 1] = valid[j] and int(toks[j]) not in eos
 
 
+# What the depth-first walk was doing when its matcher raised (formatted only on failure).
+_FILL, _ACCEPT, _ROLLBACK = 0, 1, 2
+
+
 def _walk_dfs(
     m: Matcher,
+    g: int,
     toks: IntArray,
     parents: IntArray,
     bitmask: torch.Tensor,
@@ -170,26 +193,35 @@ def _walk_dfs(
     eos: frozenset[int],
     valid: npt.NDArray[np.bool_],
     filled: npt.NDArray[np.bool_],
-) -> None:
-    """Depth first with the matcher protocol: accept, fill, children, roll back one."""
+) -> GrammarError | None:
+    """Depth first with the matcher protocol: accept, fill, children, roll back one.
+
+    An exception from the matcher ends the walk: the tokens it had accepted
+    are rolled back (where the matcher allows) and the request's error is
+    returned. Anything that is not an ``Exception`` (an interrupt) rolls
+    back and propagates.
+    """
     d = parents.shape[0]
     children: list[list[int]] = [[] for _ in range(d + 1)]
     for j in range(d):
         children[int(parents[j]) + 1].append(j)
-    if need >= 1:
-        m.fill(bitmask, row0)
-    filled[0] = True
     depth = 0
+    doing, node = _FILL, -1
     try:
+        if need >= 1:
+            m.fill(bitmask, row0)
+        filled[0] = True
         # Entries: node to enter (>= 0), or ~node to leave it (roll back one).
         stack = [c for c in reversed(children[0])]
         while stack:
             e = stack.pop()
             if e < 0:
+                doing, node = _ROLLBACK, ~e
                 m.rollback(1)
                 depth -= 1
                 continue
             t = int(toks[e])
+            doing, node = _ACCEPT, e
             if not m.accept(t):
                 continue
             depth += 1
@@ -198,12 +230,39 @@ def _walk_dfs(
             if t in eos:
                 continue  # nothing follows a stop token: its row and subtree stay unfilled
             if e + 1 < need:
+                doing = _FILL
                 m.fill(bitmask, row0 + e + 1)
             filled[e + 1] = True
             stack.extend(reversed(children[e + 1]))
-    finally:
+    except Exception as exc:
+        if doing == _FILL:
+            what = f"fill of row {node + 1}"
+        elif doing == _ACCEPT:
+            what = f"accept of tokens[{g}][{node}] = {int(toks[node])}"
+        else:
+            what = f"rollback(1) leaving node {node}"
+        return _matcher_failed(m, g, exc, f"in its {what}", depth)
+    except BaseException:
         if depth:
             m.rollback(depth)
+        raise
+    return None
+
+
+def _matcher_failed(m: Matcher, g: int, exc: BaseException, doing: str, depth: int) -> GrammarError:
+    """Request ``g``'s error for ``exc``, after rolling back the ``depth`` tokens its matcher had accepted."""
+    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {_brief(exc)}"
+    if depth:
+        try:
+            m.rollback(depth)
+        except Exception as back:
+            msg += (
+                f"; rolling back the {depth} tokens it had accepted then raised {type(back).__name__} "
+                f"({_brief(back)}): the matcher is not where it started and should be dropped"
+            )
+    err = GrammarError(msg)
+    err.__cause__ = exc
+    return err
 
 
 def fill_tree_masks(
@@ -237,8 +296,18 @@ def fill_tree_masks(
 
     Returns:
         :class:`~maskplug.TreeMasks`: per node, on a grammar-valid path or
-        not, forced or not. Bad arguments raise :class:`~maskplug.LayoutError`
-        or :class:`~maskplug.GrammarError` before any row or matcher is touched.
+        not, forced or not, and the requests that failed. Structural
+        mistakes (the number of matchers or token sequences, a sequence's
+        length or dtype, the bitmask, ``rows``, ``tree``, ``strategy``) raise
+        :class:`~maskplug.LayoutError` or :class:`~maskplug.GrammarError`
+        before any row or matcher is touched. What goes wrong with one
+        request only fails that request (:attr:`TreeMasks.failed
+        <maskplug.TreeMasks.failed>`, ``tokens[g][j]: ...`` for a node id
+        outside its vocabulary, ``matchers[g]: ...`` for an exception from its
+        matcher, with the exception as ``__cause__``): its rows (node and
+        bonus rows) allow only its stop tokens, none of its nodes is valid or
+        forced, and the other requests get exactly the rows and flags of the
+        same batch without it. Nothing raises for the batch.
     """
     if strategy not in _STRATEGIES:
         raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
@@ -264,6 +333,8 @@ def fill_tree_masks(
     if g_count > 1:
         np.cumsum(per[:-1], out=row0[1:])
     vocabs = [getattr(m, "vocab", None) for m in ms]
+    # One slot per grammar request (each walker writes only its own): a request that fails, and why.
+    errors: list[GrammarError | None] = [None] * g_count
     if total:
         v0 = next((v for v in vocabs if v is not None), None)
         if v0 is not None:
@@ -284,7 +355,10 @@ def fill_tree_masks(
             bad = (d[g, :k] < 0) | (d[g, :k] >= v.vocab_size)
             if bad.any():
                 p = int(np.argmax(bad))
-                raise GrammarError(f"tokens[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(d[g, p])}")
+                # This request fails alone; it is not walked.
+                errors[g] = GrammarError(
+                    f"tokens[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(d[g, p])}"
+                )
     width = int(nd.max()) if g_count else 0
     valid = np.zeros((g_count, width), dtype=bool)
     filled = np.zeros((g_count, width + 1), dtype=bool)
@@ -292,14 +366,31 @@ def fill_tree_masks(
     need = nd + layout.num_bonus
 
     def one(g: int) -> None:
+        if errors[g] is not None:
+            return
+        m = ms[g]
         r = int(idx[g])
         k = int(nd[g])
         par = np.asarray(tree.parents_of(r))
-        args = (ms[g], d[g, :k], par, bitmask, int(row0[g]), int(need[g]), eos[g], valid[g], filled[g])
-        if strategy != "walk" and k and native_tree_walker(ms[g]) is not None and not ms[g].is_terminated():
-            _walk_native(*args)
+        a, n_rows = int(row0[g]), int(need[g])
+        try:
+            native = strategy != "walk" and k > 0 and native_tree_walker(m) is not None
+        except Exception as exc:
+            errors[g] = _matcher_failed(m, g, exc, "when asked for its engine's tree walk", 0)
+            return
+        if native:
+            try:
+                native = not m.is_terminated()
+            except Exception as exc:
+                errors[g] = _matcher_failed(m, g, exc, "in is_terminated()", 0)
+                return
+        if native:
+            try:
+                _walk_native(m, d[g, :k], par, bitmask, a, n_rows, eos[g], valid[g], filled[g])
+            except Exception as exc:
+                errors[g] = _matcher_failed(m, g, exc, "in its engine's tree walk", 0)
         else:
-            _walk_dfs(*args)
+            errors[g] = _walk_dfs(m, g, d[g, :k], par, bitmask, a, n_rows, eos[g], valid[g], filled[g])
 
     n_threads = _THREADS if threads is None else int(threads)
     pooled = n_threads > 1 and g_count > 1 and all(getattr(m, "releases_gil", False) for m in ms)
@@ -316,6 +407,11 @@ def fill_tree_masks(
         for g in range(g_count):
             one(g)
 
+    found = {g: e for g, e in enumerate(errors) if e is not None}
+    failed = list(found)
+    if failed:
+        valid[failed] = False
+        filled[failed] = False
     # Rows nothing valid reaches are all-allowed; extra bonus rows repeat the last node's row.
     bm = bitmask.numpy()
     if total:
@@ -329,6 +425,7 @@ def fill_tree_masks(
             k, n_rows, a = int(nd[g]), int(need[g]), int(row0[g])
             if n_rows > k + 1:
                 bm[a + k + 1 : a + n_rows] = bm[a + k]
+        _stop_rows(bm, failed, vocabs, row0, need)
     forced = np.zeros((g_count, width), dtype=bool)
     for g in range(g_count):
         k = int(nd[g])
@@ -338,11 +435,34 @@ def fill_tree_masks(
         check = bm[int(row0[g]) + par + 1].view(np.uint8)
         ones = np.unpackbits(check, axis=1).sum(axis=1)
         forced[g, :k] = valid[g, :k] & (ones == 1)
-    return TreeMasks(request=idx.astype(np.int64), valid=valid, forced=forced)
+    request = idx.astype(np.int64)
+    if not failed:
+        return TreeMasks(request=request, valid=valid, forced=forced)
+    report: Mapping[int, GrammarError] = MappingProxyType({int(idx[g]): e for g, e in found.items()})
+    return TreeMasks(request=request, valid=valid, forced=forced, failed=report)
+
+
+def _stop_rows(
+    bm: npt.NDArray[np.int32], failed: Sequence[int], vocabs: Sequence[Any], row0: IntArray, need: IntArray
+) -> None:
+    """Every row of each failed request (node and bonus rows) allows only its vocabulary's stop tokens.
+
+    A matcher without a vocabulary takes the batch's first one; with none at all, the rows allow nothing.
+    """
+    fallback = next((v for v in vocabs if v is not None), None)
+    for g in failed:
+        v = vocabs[g] if vocabs[g] is not None else fallback
+        row = stop_row(v).numpy() if v is not None else np.zeros(bm.shape[1], dtype=np.int32)
+        a = int(row0[g])
+        bm[a : a + int(need[g])] = row
 
 
 def _from_chain(dm: DraftMasks, nd: IntArray) -> TreeMasks:
-    """A chain's :class:`DraftMasks` as per-node flags (node ``j`` valid below the accepted prefix)."""
+    """A chain's :class:`DraftMasks` as per-node flags (node ``j`` valid below the accepted prefix).
+
+    A failed request keeps its error; one about its drafts names them as
+    this call's ``tokens``.
+    """
     g = nd.shape[0]
     width = int(nd.max()) if g else 0
     cols = np.arange(width)[None, :]
@@ -350,4 +470,15 @@ def _from_chain(dm: DraftMasks, nd: IntArray) -> TreeMasks:
     forced = np.zeros((g, width), dtype=bool)
     w = min(width, dm.forced.shape[1])
     forced[:, :w] = dm.forced[:, :w]
-    return TreeMasks(request=np.asarray(dm.request, dtype=np.int64), valid=valid, forced=forced & valid)
+    request = np.asarray(dm.request, dtype=np.int64)
+    if not dm.failed:
+        return TreeMasks(request=request, valid=valid, forced=forced & valid)
+    report: dict[int, GrammarError] = {}
+    for r, err in dm.failed.items():
+        text = str(err)
+        if text.startswith("drafts["):
+            renamed = GrammarError("tokens" + text[len("drafts") :])
+            renamed.__cause__ = err.__cause__
+            err = renamed
+        report[int(r)] = err
+    return TreeMasks(request=request, valid=valid, forced=forced & valid, failed=MappingProxyType(report))

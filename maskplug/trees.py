@@ -44,8 +44,9 @@ each request's tree attention among its live positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,7 @@ from ._checks import INT32_MAX, host_int
 from .budget import BudgetDecision, CostModel, best_budget, budget_bounds, host_confidences
 from .compaction import Regime, regime_of
 from .draftmasks import frozen, host_field
-from .errors import BudgetError, LayoutError
+from .errors import BudgetError, GrammarError, LayoutError
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 
 __all__ = [
@@ -226,11 +227,22 @@ class TreeMasks:
         forced: ``forced[g, j]``: the row that checks node ``j`` (its
             parent's row) allows exactly one token; False past a request's
             nodes and below nodes the grammar rejects.
+        failed: the grammar requests this step could not serve, by batch
+            index (the numbers of ``request``), each with the
+            :class:`~maskplug.errors.GrammarError` saying what went wrong (a
+            node id outside the vocabulary, an exception inside the
+            request's matcher, a matcher that could not be rolled back). A
+            failed request's rows allow only its stop tokens and none of its
+            nodes is valid or forced, so its nodes are worth nothing to the
+            tree budget; the other requests are served as if it were not in
+            the batch. Empty (a read-only mapping) when every request was
+            served.
     """
 
     request: npt.NDArray[np.int64]
     valid: npt.NDArray[np.bool_]
     forced: npt.NDArray[np.bool_]
+    failed: Mapping[int, GrammarError] = field(default_factory=lambda: _NO_FAILURES)
 
     @property
     def num_valid(self) -> IntArray:
@@ -238,13 +250,18 @@ class TreeMasks:
         return np.asarray(self.valid, dtype=bool).sum(axis=1).astype(np.int64)
 
 
+_NO_FAILURES: Mapping[int, GrammarError] = MappingProxyType({})
+
+
 def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> TreeMasks:
     """``grammar`` checked against ``tree``: a read-only :class:`TreeMasks` of int64/bool arrays.
 
     ``request`` unique batch indices, ``valid`` and ``forced`` 2-D bool arrays
     with one row per grammar request and at least as many columns as the
-    request has nodes; a valid node's parent must be valid too. Anything
-    else raises :class:`~maskplug.BudgetError` naming the field.
+    request has nodes; a valid node's parent must be valid too; ``failed``
+    a mapping from batch indices of ``request`` to
+    :class:`~maskplug.GrammarError`, none of a failed request's nodes valid.
+    Anything else raises :class:`~maskplug.BudgetError` naming the field.
     """
     if not isinstance(grammar, TreeMasks):
         raise BudgetError(f"{arg}: expected TreeMasks or None, got {type(grammar).__name__}")
@@ -283,7 +300,32 @@ def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> Tre
                 f"{arg}.valid: expected a valid node's parent to be valid, got node {j} of request {r} valid "
                 f"under invalid node {int(p[j])}"
             )
-    return TreeMasks(frozen(req), frozen(valid), frozen(forced))
+    failed = _check_failed(grammar.failed, req, valid, arg)
+    return TreeMasks(frozen(req), frozen(valid), frozen(forced), failed)
+
+
+def _check_failed(failed: Any, req: IntArray, valid: BoolArray, arg: str) -> Mapping[int, GrammarError]:
+    """``failed`` as a read-only mapping of batch index to error, checked against ``request`` and ``valid``."""
+    if not isinstance(failed, Mapping):
+        raise BudgetError(
+            f"{arg}.failed: expected a mapping of batch index to GrammarError, got {type(failed).__name__}"
+        )
+    if not failed:
+        return _NO_FAILURES
+    where = {r: i for i, r in enumerate(req.tolist())}
+    out: dict[int, GrammarError] = {}
+    for key, err in failed.items():
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or int(key) not in where:
+            raise BudgetError(f"{arg}.failed: expected batch indices of {arg}.request as keys, got {key!r:.80}")
+        if not isinstance(err, GrammarError):
+            raise BudgetError(f"{arg}.failed: expected a GrammarError for request {int(key)}, got {type(err).__name__}")
+        if valid[where[int(key)]].any():
+            raise BudgetError(
+                f"{arg}.valid: expected no valid node in failed request {int(key)}, got "
+                f"{int(valid[where[int(key)]].sum())}"
+            )
+        out[int(key)] = err
+    return MappingProxyType(out)
 
 
 def _tree_conf(confidences: Any, tree: DraftTree, grammar: TreeMasks | None) -> FloatArray:
