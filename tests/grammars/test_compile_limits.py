@@ -153,3 +153,36 @@ def test_waiting_for_the_worker_counts_against_the_limit() -> None:
     assert not t.is_alive() and len(results) == 1
     assert results[0] is None or "died" in str(results[0])
     w.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "cls", "attr"),
+    [
+        ("maskplug_llguidance.provider", LLGuidanceProvider, "tokenizer"),
+        ("maskplug_outlines.provider", OutlinesProvider, "engine_vocabulary"),
+    ],
+)
+def test_a_worker_builds_its_engine_vocabulary_at_start_up(
+    module: str, cls: type, attr: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's tokenizer (llguidance) or vocabulary (outlines-core) is built before the first spec arrives.
+
+    Built lazily, it would be part of the first compile after every worker start, inside that request's limit
+    (seconds for a 131k vocabulary on a loaded machine).
+    """
+    import importlib
+
+    built: list[object] = []
+    real = getattr(cls, attr)
+    if isinstance(real, property):
+        getter = real.fget
+        assert getter is not None
+        monkeypatch.setattr(cls, attr, property(lambda self: built.append(self) or getter(self)))
+    else:
+        monkeypatch.setattr(cls, attr, lambda self: built.append(self) or real(self))
+    mod = importlib.import_module(module)
+    args = (mistral_sentencepiece(),) if cls is LLGuidanceProvider else (mistral_sentencepiece(), 0)
+    compile_fn = mod.worker_compiler(*args)
+    assert len(built) == 1  # at start-up, before any spec
+    compile_fn(GrammarSpec("regex", "[a-z]{1,4}"))
+    assert all(isinstance(p, cls) for p in built)

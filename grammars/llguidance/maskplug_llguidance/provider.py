@@ -546,6 +546,7 @@ def grammar_text(spec: GrammarSpec) -> str:
 def worker_compiler(vocab: Vocab) -> Callable[[GrammarSpec], tuple[str, list[str]]]:
     """The compile function of a compile worker process: spec -> (checked grammar, warnings)."""
     provider = LLGuidanceProvider(vocab, compile_limit_s=None)
+    _ = provider.tokenizer  # built at the worker's start-up, not inside the first compile's limit
 
     def run(spec: GrammarSpec) -> tuple[str, list[str]]:
         grammar, warns = provider.check(spec)

@@ -587,4 +587,5 @@ def open_objects(schema: Any) -> bool:
 def worker_compiler(vocab: Vocab, mask_cache_bytes: int) -> Callable[[GrammarSpec], tuple[str, Index, list[str]]]:
     """The compile function of a compile worker process: spec -> (regex, pickled index, warnings)."""
     provider = OutlinesProvider(vocab, mask_cache_bytes, compile_limit_s=None)
+    provider.engine_vocabulary()  # built at the worker's start-up, not inside the first compile's limit
     return provider.build
