@@ -41,7 +41,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +55,7 @@ from ..grammar_trees import fill_tree_masks
 from ..layout import GrammarRows, RowMapping, ScheduledLayout
 from ..trees import DraftTree, TreeCompaction, TreeMasks, allocate_tree, choose_tree_budget, compact_tree
 from ..trees import select_subtree as host_select_subtree
-from .engine import RunResult, SimConfig, Simulation, Workload
+from .engine import RunResult, SimConfig, Simulation, Workload, _Step
 from .models import TargetModel
 from .tree_drafter import TreeConfig, TreeDrafts, draft_trees
 
@@ -78,25 +77,14 @@ def is_tree_scheduler(name: str) -> bool:
 
 
 @dataclass
-class _TreeBatch:
-    t: int
-    act: list[Any]
-    rid: I64
-    slots: I64
-    length: I64
-    prefill: npt.NDArray[np.bool_]
-    on_track: npt.NDArray[np.bool_]
-    has_g: npt.NDArray[np.bool_]
-    window: I64
-    num_drafts: I64
-    num_non_draft: I64
-    layout: ScheduledLayout
+class _TreeBatch(_Step):
+    """One tree step's running requests, scheduled layout, draft trees and their node structure.
+
+    Tree steps do not overlap mask production with the forward pass (``ready_s`` stays ``None``).
+    """
+
     drafts: TreeDrafts
     tree: DraftTree
-    host_s: float = 0.0
-    mask_s: float = 0.0
-    #: tree steps do not overlap mask production with the forward pass
-    ready_s: float | None = None
 
 
 @dataclass
