@@ -104,6 +104,10 @@ def default_cost_model() -> CostModel:
     )
 
 
+#: Requests failing one after another before the run stops (every grammar failing would never fill a slot).
+_MAX_FAILED_IN_A_ROW = 1000
+
+
 def make_scheduler(spec: str) -> Any:
     """A scheduler from a spec: a registered name, or ``grammar-aware:INNER``."""
     if spec.startswith("grammar-aware:"):
@@ -120,7 +124,11 @@ class SimConfig:
         concurrency: request slots (continuous batching keeps them full).
         drafts: ``K``, drafts per decoding request and step.
         tokenizer: ``"tekken"`` (131,072 tokens) or ``"spm"`` (32,000).
-        provider: grammar provider name.
+        provider: grammar provider name (default ``"auto"``: each grammar compiled by the
+            provider best suited to it). A grammar that does not compile (a
+            compile stopped at its limit included) fails that request alone:
+            it is counted in ``RunResult.failed`` and listed in
+            ``Workload.failures``; the run goes on.
         backend: kernel backend name or ``"auto"``.
         seed: the seed of the request stream, drafter and target.
         noise: scale of the target's logit noise.
@@ -141,7 +149,7 @@ class SimConfig:
     concurrency: int = 16
     drafts: int = 4
     tokenizer: str = "tekken"
-    provider: str = "xgrammar"
+    provider: str = "auto"
     backend: str = "auto"
     seed: int = 0
     noise: float = 2.0
@@ -178,6 +186,7 @@ class _Prepared:
     ref: I64  # reference tokens followed by the stop token
     compiled: Any  # CompiledGrammar or None
     max_tokens: int
+    error: str | None = None  # why the request failed (its grammar did not compile); None when it runs
 
 
 class Workload:
@@ -191,6 +200,10 @@ class Workload:
         self._cache: dict[int, _Prepared] = {}
         self._by_bytes: dict[bytes, int] | None = None
         self._longest = 0
+        #: Requests that failed (request index -> (request name, the grammar error)), in the order reached.
+        self.failures: dict[int, tuple[str, str]] = {}
+        # One compile per grammar: a spec that failed fails every request that asks for it.
+        self._failed_specs: dict[str, str] = {}
 
     def _guided(self, text: str, matcher: Any) -> list[int] | None:
         """Tokenise ``text`` greedily (longest token first) among the tokens the grammar allows."""
@@ -231,7 +244,19 @@ class Workload:
         if spec.grammar is not None:
             if self.provider is None:
                 raise GrammarError("provider: expected a grammar provider for grammar requests, got none")
-            compiled = self.provider.compile(spec.grammar)
+            key = spec.grammar.key()
+            error = self._failed_specs.get(key)
+            if error is None:
+                try:
+                    compiled = self.provider.compile(spec.grammar)
+                except GrammarError as exc:  # that request's error, as a serving engine reports it
+                    error = self._failed_specs[key] = str(exc)
+            if error is not None:
+                failed = _Prepared(spec, np.zeros(0, dtype=np.int64), None, 0, error)
+                self._cache[index] = failed
+                self.failures[index] = (spec.name, error)
+                return failed
+            assert compiled is not None  # compiled above, or the request failed
             for text in texts:
                 cand = [*self.tok.encode(text), eos]
                 if compiled.matcher().validate(cand) == len(cand):
@@ -287,6 +312,8 @@ class RunResult:
     invalid: int = 0
     cut_off: int = 0
     admitted: int = 0
+    #: requests that failed alone (their grammar did not compile); never admitted
+    failed: int = 0
     in_flight: int = 0
     violations: list[str] = field(default_factory=list)
     invalid_samples: list[str] = field(default_factory=list)
@@ -334,6 +361,8 @@ class RunResult:
             "invalid": self.invalid,
             "cut_off": self.cut_off,
             "host_us_per_step": round(1e6 * self.host_s / self.steps, 1) if timing and self.steps else None,
+            # Present only when some request failed, so the record of a run without failures keeps its fields.
+            **({"failed": self.failed} if self.failed else {}),
         }
 
 
@@ -499,9 +528,18 @@ class Simulation:
 
     def _admit(self) -> None:
         new_slots = []
+        failed_in_a_row = 0
         while len(self.active) < self.cfg.concurrency:
             prep = self.work.get(self.next_index)
             self.next_index += 1
+            if prep.error is not None:
+                # The request fails alone (its error is in the workload's failures); the next one takes the slot.
+                self.result.failed += 1
+                failed_in_a_row += 1
+                if failed_in_a_row >= _MAX_FAILED_IN_A_ROW:
+                    raise GrammarError(f"workload: {failed_in_a_row} requests in a row failed; the last: {prep.error}")
+                continue
+            failed_in_a_row = 0
             slot = self.free_slots.pop()
             matcher = prep.compiled.matcher() if prep.compiled is not None else None
             self.active.append(_Active(prep, slot, matcher))
