@@ -11,7 +11,8 @@ maskplug is faster):
   ``rows × V`` fp32 logits, against xgrammar's ``apply_token_bitmask_inplace``
   when xgrammar is installed, and against a dense torch unpack-and-fill;
 * **draft rows**: ``fill_draft_masks`` against a sequential
-  accept/fill/rollback loop, per installed grammar provider.
+  accept/fill/rollback loop, per installed grammar provider (a request it
+  fails stops the benchmark with the engine's error, not a comparison).
 
 The scripts in ``benchmarks/`` measure more sizes and record results; this
 command is the quick look. Outputs are checked equal before anything is timed.
@@ -34,6 +35,8 @@ from .budget import CostModel, choose_budget
 from .compaction import compact
 from .console import Justify, Progress, render_table
 from .dispatch import apply_grammar_bitmask, resolve_backend
+from .draftmasks import DraftMasks
+from .errors import GrammarError
 from .layout import GrammarRows, ScheduledLayout
 
 __all__ = ["BenchRow", "run_bench"]
@@ -141,12 +144,12 @@ def _draft_pair(
     rows: GrammarRows,
     lay: ScheduledLayout,
     drafts: int,
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """maskplug's producer and the sequential accept/fill/rollback loop it replaces."""
+) -> tuple[Callable[[], DraftMasks], Callable[[], None]]:
+    """maskplug's producer (returning what it learned) and the sequential accept/fill/rollback loop it replaces."""
     from .grammar import fill_draft_masks
 
-    def ours() -> None:
-        fill_draft_masks(matchers, draft_list, bm_a, rows, lay)
+    def ours() -> DraftMasks:
+        return fill_draft_masks(matchers, draft_list, bm_a, rows, lay)
 
     def peer() -> None:
         row = 0
@@ -192,7 +195,13 @@ def _draft_rows(tokenizer: str, requests: int, drafts: int, repeat: int) -> list
         bm_b = tok.vocab.new_bitmask(rows.num_rows(lay))
 
         ours, peer = _draft_pair(matchers, draft_list, bm_a, bm_b, rows, lay, drafts)
-        ours()
+        failed = ours().failed
+        if failed:
+            # The engine failed a request: say why, rather than comparing its stop-only rows.
+            r, err = next(iter(failed.items()))
+            raise GrammarError(
+                f"draft rows ({name}): fill_draft_masks failed {len(failed)} of {requests} requests; request {r}: {err}"
+            ) from err
         peer()
         if not torch.equal(bm_a, bm_b):
             raise AssertionError(f"draft rows: fill_draft_masks and the sequential loop disagree for {name}")
