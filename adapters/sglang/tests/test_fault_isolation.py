@@ -7,7 +7,9 @@ one request's matcher raising (while its rows are produced, or when SGLang
 commits the step's tokens), and the same batch without that request. The
 faulty request ends with ``FINISH_ABORT`` carrying the error, logged once
 with its id; every other request gets the same mask rows, the same accept
-outcome and the same committed tokens. Also SGLang's own fill paths
+outcome and the same committed tokens. The same fault through the DSpark
+patches (the decode step of ``test_dspark_patches``, with a budget that reads
+the grammar and with one that verifies everything), SGLang's own fill paths
 (``fill_vocab_mask_batched``) and :func:`maskplug_sglang.backend.fill_draft_chains`.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,9 +28,11 @@ from conftest import compile_pair, grammar_keys
 from dspark_chain import Req, advance, make_batch, make_chain, make_logits, run_verify
 from hypothesis import given
 from hypothesis import strategies as st
+from maskplug_sglang import patches
 from maskplug_sglang.backend import ERROR_PREFIX, MaskplugGrammar, allocate_mask, fill_draft_chains
 from sglang.srt.constrained.base_grammar_backend import GrammarRow
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
+from test_dspark_patches import Worker, patched_forward_decode, verify_planner
 
 from maskplug import GrammarError
 from maskplug.grammar.rows import stop_row
@@ -276,3 +281,73 @@ def test_fill_draft_chains_isolates_a_raising_matcher(bpe_backends: tuple[Any, A
     stop = stop_row(vocab)
     assert all(torch.equal(row, stop) for row in got[width : 2 * width])
     assert ours[1].error is not None and "injected fault in accept" in str(ours[1].error)
+
+
+@pytest.mark.parametrize("scheduler", ["verify-all", "grammar-aware:goodput"])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_a_fill_fault_through_the_dspark_patches_aborts_only_its_request(
+    bpe_backends: tuple[Any, Any], scheduler: str, seed: int
+) -> None:
+    """The decode step as SGLang's worker runs it with the patches in place (see ``test_dspark_patches``)."""
+    vocab = bpe_backends[1].vocab
+    size = vocab.vocab_size
+    avoid = set(vocab.special_ids) - set(vocab.eos_ids)
+    rng = np.random.default_rng(seed)
+    bs, gamma = 2 + seed % 3, 1 + seed % 4
+    width = gamma + 1
+    theirs_g, ours_g = make_batch(rng, bpe_backends, bs)
+    live = _live(ours_g)
+    if not live:
+        theirs_g[0], ours_g[0] = compile_pair(bpe_backends, KEYS[seed % len(KEYS)])
+        live = [0]
+    f = live[seed % len(live)]
+    ids = make_chain(rng, theirs_g, size, width, avoid)
+    logits = make_logits(rng, ids, size, sorted(avoid))
+    ours_g[f].matcher = Raising(ours_g[f].matcher, "fill")
+    reqs = [Req(f"q{i}", g) for i, g in enumerate(ours_g)]
+    proposal = types.SimpleNamespace(
+        draft_block_ids=ids[:, :1].clone(),
+        draft_block=types.SimpleNamespace(draft_tokens=ids[:, 1:].clone()),
+        confidence=torch.from_numpy(rng.uniform(0.05, 1.0, (bs, gamma)).astype(np.float32)),
+        verify_ids=None,
+    )
+    batch = types.SimpleNamespace(
+        reqs=reqs,
+        forward_mode=types.SimpleNamespace(is_idle=lambda: False),
+        sampling_info=types.SimpleNamespace(vocab_size=size, grammar_mask=None),
+        spec_info=types.SimpleNamespace(verify_token_budget=None),
+        seq_lens=torch.full((bs,), 10, dtype=torch.int64),
+        req_pool_indices=torch.arange(bs, dtype=torch.int64),
+    )
+    worker = Worker(verify_planner(gamma), proposal, logits)
+    already = patches.installed()
+    patches.install()
+    try:
+        with pytest.MonkeyPatch.context() as mp, recording() as log:
+            mp.setenv("MASKPLUG_SCHEDULER", scheduler)
+            patched_forward_decode(worker, batch, None, grammar_barrier=None)
+    finally:
+        if not already:
+            patches.uninstall()
+    bad = reqs[f]
+    assert isinstance(bad.to_finish, FINISH_ABORT) and "injected fault in fill" in bad.to_finish.message
+    assert all(r.to_finish is None for i, r in enumerate(reqs) if i != f)
+    records = log.messages("maskplug_sglang.backend")
+    assert len(records) == 1 and f"q{f}" in records[0]
+    lens = worker.seen["layout"].verify_lens.to(torch.int64)
+    stop = stop_row(vocab)
+    assert all(torch.equal(row, stop) for row in worker.seen["mask"][f * width : f * width + int(lens[f])])
+    if scheduler.startswith("grammar-aware"):
+        # Its drafts were worth nothing to the budget: none of them was verified.
+        assert int(lens[f]) == 1
+    else:
+        # Every draft verified: the others' masks and outcomes are those of the batch without it.
+        keep = [i for i in range(bs) if i != f]
+        rows = np.concatenate([np.arange(i * width, (i + 1) * width) for i in keep])
+        alone = run_verify(
+            [reqs[i] for i in keep], ids[keep], logits[rows], lens[keep].to(torch.int32), size, maskplug_rows=True
+        )
+        assert torch.equal(worker.seen["correct_len"][keep], alone["correct_len"])
+        assert torch.equal(worker.seen["bonus"][keep], alone["bonus"])
+        if alone["mask"] is not None:
+            assert torch.equal(worker.seen["mask"][rows], alone["mask"])
