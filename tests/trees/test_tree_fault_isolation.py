@@ -108,6 +108,7 @@ class TreeBatch:
     tokens: list[list[int]]
     bad_ids: set[int]  # grammar requests with a bad node id
     wrap: str
+    providers: list[str]  # each grammar request's provider
 
     def rows(self, keep: Sequence[int]) -> GrammarRows:
         ids = [f"r{self.grammar[g]}" for g in keep]
@@ -138,8 +139,10 @@ def make_tree_batch(seed: int, wrap: str) -> TreeBatch:
     tokens: list[list[int]] = []
     bad_ids: set[int] = set()
     ops_names = (*FAULT_OPS, "traverse", "traverse") if wrap == "native" else FAULT_OPS
+    providers: list[str] = []
     for g, i in enumerate(order):
-        m = grammar(rng.choice(PROVIDERS), rng.choice(REGEXES)).matcher()
+        providers.append(rng.choice(PROVIDERS))
+        m = grammar(providers[-1], rng.choice(REGEXES)).matcher()
         for t in random_walk(m, v, rng, rng.randint(0, 2), stop=rng.random() < 0.15):
             assert m.accept(t)
         toks = _tree_tokens(m, v, rng, parents[i])
@@ -165,7 +168,7 @@ def make_tree_batch(seed: int, wrap: str) -> TreeBatch:
                     ops = ops_of.setdefault(id(base), FaultyOps(base, partial=rng.random() < 0.5))
                 handed.append(Faulty(m, fault, ops))
         faults.append(fault)
-    return TreeBatch(tree, order, mode, stride, inner, handed, faults, tokens, bad_ids, wrap)
+    return TreeBatch(tree, order, mode, stride, inner, handed, faults, tokens, bad_ids, wrap, providers)
 
 
 def _flat(b: TreeBatch, tokens: Sequence[Sequence[int]], keep: Sequence[int]) -> np.ndarray:
@@ -276,8 +279,9 @@ def test_one_bad_request_never_fails_the_batch_of_trees(strategy: str, seed: int
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_kind_of_tree_fault_is_reached(strategy: str) -> None:
-    """The random batches do exercise each fault on each path: fixed seeds until every kind has failed a request."""
+    """The random batches do exercise each fault on each path and provider: fixed seeds until each has failed a request."""
     want = {"bad-id", "dropped", "single:fill", "single:accept", "single:rollback"}
+    want |= {f"provider:{p}" for p in PROVIDERS}
     if strategy == "auto":
         want |= {"ops:fill", "ops:accept", "ops:is_terminated"}  # the chain shortcut's batch operations
     if strategy != "walk" and "xgrammar" in PROVIDERS:
@@ -290,6 +294,7 @@ def test_every_kind_of_tree_fault_is_reached(strategy: str) -> None:
         seen |= {"bad-id" for g in b.bad_ids if b.grammar[g] in out.failed}
         seen |= {f"{wrap}:{f.op}" for f in b.faults if f is not None and f.fired}
         seen |= {"dropped" for e in out.failed.values() if "should be dropped" in str(e)}
+        seen |= {f"provider:{b.providers[g]}" for g in range(len(b.grammar)) if b.grammar[g] in out.failed}
         if want <= seen:
             return
     pytest.fail(f"faults never reached: {sorted(want - seen)}")
