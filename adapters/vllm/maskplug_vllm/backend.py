@@ -21,6 +21,7 @@ import torch
 
 from maskplug import GrammarError, PluginError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
+from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
@@ -41,20 +42,31 @@ logger = logging.getLogger(__name__)
 ERROR_PREFIX = "maskplug grammar error: "
 """How the ``stop_reason`` of a request whose grammar failed begins (the error text follows)."""
 
-# vLLM's backend names and the maskplug provider that does the same job.
-_VLLM_TO_PROVIDER = {"xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines-core"}
+# vLLM's backend names and the maskplug provider that does the same job; vLLM's own default,
+# "auto" (it picks a backend per request), is maskplug's auto (it picks a provider per grammar).
+_VLLM_TO_PROVIDER = {"auto": AUTO, "xgrammar": "xgrammar", "guidance": "llguidance", "outlines": "outlines-core"}
 
 
-def provider_for(vllm_backend: str | None) -> str:
-    """The maskplug provider for a vLLM backend name; ``MASKPLUG_VLLM_PROVIDER`` overrides it."""
+def provider_for(vllm_backend: str | None, *, was_auto: bool = False) -> str:
+    """The maskplug provider for vLLM's structured-output backend.
+
+    ``vllm_backend`` is the backend name vLLM gives the request and
+    ``was_auto`` whether vLLM chose it itself because its config does not pin
+    one (``structured_outputs_config.backend="auto"``, vLLM's default, which
+    vLLM resolves per request before the backend sees it). Unpinned, and for
+    names without a maskplug counterpart, maskplug's ``auto`` serves; an
+    explicit ``"xgrammar"``, ``"guidance"`` or ``"outlines"`` pins xgrammar,
+    llguidance or outlines-core. ``MASKPLUG_VLLM_PROVIDER`` overrides both.
+    """
     chosen = os.environ.get("MASKPLUG_VLLM_PROVIDER", "").strip()
     if not chosen:
-        chosen = _VLLM_TO_PROVIDER.get(vllm_backend or "", "xgrammar")
+        chosen = AUTO if was_auto else _VLLM_TO_PROVIDER.get(vllm_backend or "", AUTO)
     names = grammar_providers()
-    if chosen not in names:
+    if chosen != AUTO and chosen not in names:
         raise PluginError(
-            f"MASKPLUG_VLLM_PROVIDER: expected one of the registered maskplug grammar providers {names}, "
-            f"got {chosen!r} (vLLM backend {vllm_backend!r}); install its distribution, e.g. maskplug-{chosen}"
+            f"MASKPLUG_VLLM_PROVIDER: expected {AUTO!r} or one of the registered maskplug grammar providers "
+            f"{names}, got {chosen!r} (vLLM backend {vllm_backend!r}); install its distribution, "
+            f"e.g. maskplug-{chosen}"
         )
     return chosen
 
@@ -358,7 +370,7 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         provider_name: the maskplug provider (see :func:`provider_for`).
     """
 
-    def __init__(self, vllm_config: Any, tokenizer: Any, vocab_size: int, provider_name: str = "xgrammar") -> None:
+    def __init__(self, vllm_config: Any, tokenizer: Any, vocab_size: int, provider_name: str = AUTO) -> None:
         self.vllm_config = vllm_config
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)

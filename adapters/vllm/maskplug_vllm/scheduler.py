@@ -128,12 +128,13 @@ def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
 
     def grammar_init(self: Any, request: Any) -> None:
         if request.structured_output_request is not None and self.backend is None:
-            vllm_backend = request.sampling_params.structured_outputs._backend
+            structured = request.sampling_params.structured_outputs
+            vllm_backend = structured._backend
             self.backend = MaskplugBackend(
                 self.vllm_config,
                 tokenizer=self.tokenizer,
                 vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                provider_name=provider_for(vllm_backend),
+                provider_name=provider_for(vllm_backend, was_auto=structured._backend_was_auto),
             )
         orig(self, request)
 

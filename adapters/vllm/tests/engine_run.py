@@ -1,6 +1,7 @@
 """Run vLLM's CPU engine once on the tiny model and write what it generated as JSON.
 
-Usage: ``python engine_run.py MODEL_DIR OUT_JSON [--sampled]``. Run in a fresh process per
+Usage: ``python engine_run.py MODEL_DIR OUT_JSON [--sampled] [--backend NAME]`` (vLLM's
+``structured_outputs_config.backend``; default ``xgrammar``, ``auto`` is vLLM's own default). Run in a fresh process per
 configuration (vLLM loads its plugins once per process): with
 ``MASKPLUG_VLLM=1`` the adapter serves structured outputs, without it vLLM's
 own xgrammar backend does. The engine runs in this process
@@ -54,6 +55,12 @@ def _instrument() -> dict[str, int]:
     return counts
 
 
+def _option(flag: str, default: str) -> str:
+    """The value after ``flag`` on the command line, else ``default``."""
+    args = sys.argv[3:]
+    return args[args.index(flag) + 1] if flag in args else default
+
+
 def main(model_dir: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -65,7 +72,8 @@ def main(model_dir: str, out_path: str) -> None:
 
     enabled = os.environ.get("MASKPLUG_VLLM") == "1"
     counts = _instrument() if enabled else {}
-    llm = tiny_model.ngram_engine(model_dir, NUM_SPEC, max_model_len=1024, max_num_seqs=16)
+    backend_name = _option("--backend", "xgrammar")
+    llm = tiny_model.ngram_engine(model_dir, NUM_SPEC, max_model_len=1024, max_num_seqs=16, backend=backend_name)
     schemas = [(p.stem, json.loads(p.read_text())) for p in tiny_model.schema_paths()]
 
     def run(sampled: bool) -> list[dict[str, Any]]:
@@ -110,6 +118,12 @@ def main(model_dir: str, out_path: str) -> None:
             "backend_is_maskplug": isinstance(backend, MaskplugBackend),
             "runner_apply_is_maskplug": runner.apply_grammar_bitmask is maskplug_vllm.worker.apply_scatter,
         }
+        if "--backend" in sys.argv:
+            # Which maskplug provider served, and which provider compiled each grammar (auto reports it).
+            served = {
+                str(getattr(g, "served_by", backend.provider_name)) for g in backend.provider.cache._items.values()
+            }
+            runner_info["provider"] = {"name": backend.provider_name, "served_by": sorted(served)}
     result = {
         "enabled": enabled,
         "counts": counts,

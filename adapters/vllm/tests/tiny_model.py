@@ -107,13 +107,16 @@ def build(folder: Path, specials: tuple[str, ...] = ("</s>",)) -> Path:
     return folder
 
 
-def ngram_engine(folder: Path | str, num_spec: int, *, max_model_len: int, max_num_seqs: int) -> Any:
+def ngram_engine(
+    folder: Path | str, num_spec: int, *, max_model_len: int, max_num_seqs: int, backend: str = "xgrammar"
+) -> Any:
     """vLLM's engine (``vllm.LLM``) on the tiny model, as the engine tests run it.
 
     Dummy weights fixed by seed 0, float32, eager mode, n-gram drafting of
     ``num_spec`` tokens (prompt lookups of 1 to 3 tokens), structured outputs
-    through the ``xgrammar`` backend name (served by maskplug when the adapter
-    is enabled).
+    through the ``backend`` name (``xgrammar`` by default: the engine tests
+    compare against vLLM's own xgrammar path; served by maskplug when the
+    adapter is enabled).
     """
     from vllm import LLM
 
@@ -133,7 +136,7 @@ def ngram_engine(folder: Path | str, num_spec: int, *, max_model_len: int, max_n
             "prompt_lookup_min": 1,
             "prompt_lookup_max": 3,
         },
-        structured_outputs_config={"backend": "xgrammar"},
+        structured_outputs_config={"backend": backend},
     )
 
 
