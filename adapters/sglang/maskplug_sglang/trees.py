@@ -31,7 +31,7 @@ import torch
 
 from maskplug import DraftTree, GrammarRows, LayoutError, ScheduledLayout, TreeMasks, fill_tree_masks
 
-from .backend import MaskplugGrammar
+from .backend import MaskplugGrammar, fail_grammars
 
 __all__ = ["TreeWindows", "fill_draft_trees", "window_tree"]
 
@@ -125,6 +125,12 @@ def fill_draft_trees(
         strategy: :func:`maskplug.fill_tree_masks`' strategy (``"auto"``:
             the provider's native tree walk where it has one).
 
+    A grammar that fails (``TreeMasks.failed``: its matcher raised, say) gets
+    the stop-only root row and no valid node, and is failed
+    (:meth:`~maskplug_sglang.backend.MaskplugGrammar.fail`: its request is
+    aborted with the error at its next committed token); the other requests'
+    rows are those of the batch without it.
+
     Raises:
         LayoutError: shapes or links that do not describe windows (nothing written).
     """
@@ -167,9 +173,12 @@ def fill_draft_trees(
         return TreeWindows(np.asarray(active, dtype=np.int64), nodes, tree, masks, valid)
     rows = GrammarRows(list(range(n)))
     scratch = torch.empty((rows.num_rows(layout), int(vocab_mask.shape[1])), dtype=torch.int32)
-    matchers = [gs[i].matcher for i in active]  # type: ignore[union-attr]
+    matchers = [gs[i].producer_matcher() for i in active]  # type: ignore[union-attr]
     toks = [dt[i][q] for i, q in zip(active, nodes, strict=True)]
     masks = fill_tree_masks(matchers, toks, scratch, rows, tree, strategy=strategy)
+    if masks.failed:
+        # Only those requests fail (the producer's batch indices are positions in ``active``).
+        fail_grammars([gs[i] for i in active], masks.failed)
     # Put back only the rows SGLang's traversal writes: the root, and each valid node that is not a stop token.
     src: list[int] = []
     dest: list[int] = []

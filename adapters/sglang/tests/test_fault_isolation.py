@@ -10,7 +10,8 @@ with its id; every other request gets the same mask rows, the same accept
 outcome and the same committed tokens. The same fault through the DSpark
 patches (the decode step of ``test_dspark_patches``, with a budget that reads
 the grammar and with one that verifies everything), SGLang's own fill paths
-(``fill_vocab_mask_batched``) and :func:`maskplug_sglang.backend.fill_draft_chains`.
+(``fill_vocab_mask_batched``), :func:`maskplug_sglang.backend.fill_draft_chains`
+and :func:`maskplug_sglang.trees.fill_draft_trees`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import test_tree_windows as trees_test
 import torch
 from conftest import compile_pair, grammar_keys
 from dspark_chain import Req, advance, make_batch, make_chain, make_logits, run_verify
@@ -30,6 +32,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from maskplug_sglang import patches
 from maskplug_sglang.backend import ERROR_PREFIX, MaskplugGrammar, allocate_mask, fill_draft_chains
+from maskplug_sglang.trees import fill_draft_trees
 from sglang.srt.constrained.base_grammar_backend import GrammarRow
 from sglang.srt.managers.schedule_batch import FINISH_ABORT
 from test_dspark_patches import Worker, patched_forward_decode, verify_planner
@@ -351,3 +354,31 @@ def test_a_fill_fault_through_the_dspark_patches_aborts_only_its_request(
         assert torch.equal(worker.seen["bonus"][keep], alone["bonus"])
         if alone["mask"] is not None:
             assert torch.equal(worker.seen["mask"][rows], alone["mask"])
+
+
+@pytest.mark.parametrize("strategy", ["auto", "walk"])
+def test_fill_draft_trees_isolates_a_raising_matcher(bpe_backends: tuple[Any, Any], strategy: str) -> None:
+    """EAGLE tree windows: the failing request gets the stop-only root row and no valid node; the others as before."""
+    vocab = bpe_backends[1].vocab
+    ran = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        size, _, batch, width, _, ours_l, nt, ns, tk = trees_test._batch(bpe_backends, rng)
+        live = _live(ours_l)
+        if not live or width < 2:
+            continue
+        f = live[seed % len(live)]
+        clean = allocate_mask(size, batch * width)
+        want = fill_draft_trees(ours_l, tk, nt, ns, clean, size, strategy=strategy)
+        ours_l[f].matcher = Raising(ours_l[f].matcher, "fill")
+        got_mask = allocate_mask(size, batch * width)
+        got = fill_draft_trees(ours_l, tk, nt, ns, got_mask, size, strategy=strategy)
+        others = [i for i in range(batch) if i != f]
+        for i in others:
+            assert torch.equal(got_mask[i * width : (i + 1) * width], clean[i * width : (i + 1) * width])
+        assert np.array_equal(got.valid[others], want.valid[others])
+        assert torch.equal(got_mask[f * width], stop_row(vocab))
+        assert not got.valid[f, 1:].any()
+        assert ours_l[f].error is not None and "injected fault in fill" in str(ours_l[f].error)
+        ran += 1
+    assert ran >= 4  # batches with a live grammar and a window to walk
