@@ -6,10 +6,7 @@ and four ahead-of-time compiles (~1 s each).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import maskplug
+from maskplug.testing import run_interpreted
 
 triton = pytest.importorskip("triton", reason="maskplug-triton needs triton")
 
@@ -31,30 +29,10 @@ HERE = Path(__file__).resolve().parent
 
 def test_interpreter_cases_in_child_process() -> None:
     """Run ``interp_triton_cases.py`` under ``TRITON_INTERPRET=1`` in its own interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONHASHSEED="0")
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            str(HERE / "interp_triton_cases.py"),
-        ],
-        cwd=HERE.parent.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    m = re.search(r"(\d+) passed", out)
-    assert m is not None and int(m.group(1)) >= 20, out[-3000:]
+    run = run_interpreted(HERE / "interp_triton_cases.py", cwd=HERE.parent.parent)
+    out = run.output
+    assert run.returncode == 0, out[-6000:]
+    assert run.passed is not None and run.passed >= 20, out[-3000:]
     assert "skipped" not in out and "failed" not in out, out[-3000:]
 
 

@@ -10,10 +10,6 @@ in a child pytest (:func:`run_interpreted_cases`).
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 from maskplug_vllm import patches
+
+from maskplug.testing import run_interpreted
 
 RELEASE = patches.vllm_version()
 V033 = RELEASE == "0.33.0"
@@ -148,22 +146,10 @@ def v033_kernel_mapping(
 def run_interpreted_cases(cases: Path, passed: int) -> str:
     """Run the test module ``cases`` in a child pytest with ``TRITON_INTERPRET=1``; return its output.
 
-    The variable must be in the environment before Triton decorates a kernel, and must not leak
-    into the other tests of this process, hence the child. Asserts the child succeeded with
-    exactly ``passed`` tests passed.
+    :func:`maskplug.testing.run_interpreted` runs it, from the adapter's folder; asserts the
+    child succeeded with exactly ``passed`` tests passed.
     """
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("PYTEST_XDIST_WORKER", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(cases)],
-        cwd=cases.parent.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    m = re.search(r"(\d+) passed", out)
-    assert m is not None and int(m.group(1)) == passed, out[-3000:]
-    return out
+    run = run_interpreted(cases, cwd=cases.parent.parent)
+    assert run.returncode == 0, run.output[-6000:]
+    assert run.passed == passed, run.output[-3000:]
+    return run.output
