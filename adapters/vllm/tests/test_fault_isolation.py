@@ -276,3 +276,67 @@ def test_engine_the_other_requests_are_token_identical_to_the_batch_without_them
         assert a["finish_reason"] == b["finish_reason"] != "error"
     # The good requests did real structured work (not all cut at once).
     assert sum(len(o["token_ids"]) for o in good) > 6 * 8
+
+
+def test_the_producer_wrapper_fails_only_the_faulty_request(
+    vocab: Any, tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's ``grammar_bitmask`` as the adapter wraps it (this release's): one request's matcher raises."""
+    from maskplug_vllm import patches
+    from maskplug_vllm.backend import MaskplugBackend
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    impl = patches.implementations()
+    fill = impl.make_grammar_bitmask(patches.original(StructuredOutputManager, "grammar_bitmask"))
+    num_spec = 3
+    config = SimpleNamespace(
+        structured_outputs_config=SimpleNamespace(disable_any_whitespace=False),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama"), is_diffusion=False),
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_spec),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+        num_speculative_tokens=num_spec,
+    )
+    folder = tiny_model.build(tmp_path_factory.mktemp("wrap") / "model")
+    backend = MaskplugBackend(config, tiny_model.load_tokenizer(folder), tiny_model.VOCAB_SIZE, "xgrammar")
+    manager = object.__new__(StructuredOutputManager)
+    for name, value in (
+        ("vllm_config", config),
+        ("backend", backend),
+        ("_grammar_bitmask", None),
+        ("reasoner_cls", None),
+        ("enable_in_reasoning", False),
+    ):
+        setattr(manager, name, value)
+    schemas = tiny_model.schema_texts()
+    ids = ["a", "b", "c"]
+    requests = {
+        r: FakeRequest(r, backend.compile_grammar(SimpleNamespace(name="JSON"), schemas[k])) for k, r in enumerate(ids)
+    }
+    spec: dict[str, list[int]] = {}
+    for k, r in enumerate(ids):
+        g = requests[r].structured_output_request.grammar
+        _walk(g, vocab, 2, k)
+        spec[r] = _walk(MaskplugGrammar(g.matcher.fork(), g.spec, vocab), vocab, num_spec, 20 + k)
+    clean = fill(manager, requests, ids, spec).copy()
+    bad = requests["b"].structured_output_request.grammar
+    bad.matcher = Raising(bad.matcher, "fill")
+    with caplog.at_level(logging.ERROR, logger="maskplug_vllm.backend"):
+        got = fill(manager, requests, ids, spec).copy()
+        again = fill(manager, requests, ids, spec).copy()  # a later step: the failed matcher is not called
+    assert got.shape == clean.shape and np.array_equal(again, got)
+    n = [len(spec[r]) + 1 for r in ids]
+    starts = [0, n[0], n[0] + n[1]] if impl.layout == "ragged" else [0, num_spec + 1, 2 * (num_spec + 1)]
+    stop = stop_row(vocab).numpy()
+    for k in range(3):
+        block = slice(starts[k], starts[k] + n[k])
+        if k == 1:
+            assert all(np.array_equal(row, stop) for row in got[block])
+        else:
+            assert np.array_equal(got[block], clean[block])
+    assert isinstance(bad.error, GrammarError) and "request 'b'" in str(bad.error)
+    records = [r for r in caplog.records if r.name == "maskplug_vllm.backend"]
+    assert len(records) == 1 and "'b'" in records[0].getMessage()
+    # When the step's tokens come back, vLLM's scheduler learns of it: a False accept, the text as stop_reason.
+    assert bad.accept_tokens("b", [int(next(iter(vocab.eos_ids)))]) is False
+    assert requests["b"].stop_reason == bad.error_text and str(bad.error_text).startswith(ERROR_PREFIX)
+    assert all(requests[r].structured_output_request.grammar.error is None for r in ("a", "c"))
