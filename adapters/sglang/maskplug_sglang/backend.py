@@ -198,7 +198,9 @@ class MaskplugGrammar(BaseGrammarObject):
     (:func:`abort_failed_requests`), or the next :meth:`accept_token`
     raises the error as a ``ValueError``, which every SGLang commit path
     turns into ``FINISH_ABORT`` with the message (logged with the request
-    id). No other exception from a matcher reaches SGLang.
+    id). The matcher's own exceptions never reach SGLang; that error is the
+    only one a failed grammar raises (SGLang's EAGLE ``traverse_tree`` does
+    not catch it: see the adapter's README).
 
     Bad arguments (a token id outside the vocabulary, a mask of the wrong
     width, a rollback past the start) still raise
