@@ -61,6 +61,7 @@ from maskplug.grammar import (
 )
 from maskplug.grammar.base import check_bitmask
 from maskplug.grammar.checks import check_token
+from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
 
 from .vocab import vocab_from_tokenizer
@@ -88,8 +89,8 @@ ERROR_PREFIX = "maskplug grammar error: "
 PROVIDER_ENV = "MASKPLUG_SGLANG_PROVIDER"
 """Environment variable naming the maskplug grammar provider the backend uses."""
 
-DEFAULT_PROVIDER = "xgrammar"
-"""The provider used when :data:`PROVIDER_ENV` is unset."""
+DEFAULT_PROVIDER = AUTO
+"""The provider used when :data:`PROVIDER_ENV` is unset: ``"auto"``, which picks a provider per grammar."""
 
 MAX_JUMP_FORWARD = 256
 """Most forced tokens one ``try_jump_forward`` walks (a forced run is rarely longer)."""
@@ -680,7 +681,7 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
         super().__init__()
         name = provider or os.environ.get(PROVIDER_ENV, "").strip() or DEFAULT_PROVIDER
         known = grammar_providers()
-        if name not in known:
+        if name != AUTO and name not in known:
             raise PluginError(
                 f"provider: expected one of the installed maskplug grammar providers {known} "
                 f"(set {PROVIDER_ENV}), got {name!r}"
