@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from maskplug_vllm import patches, v0_33  # noqa: E402
 from vllm.v1.worker.gpu import structured_outputs as so  # noqa: E402
-from vllm_release import V033, host_streams, no_pinned_memory  # noqa: E402
+from vllm_release import V033, host_streams, no_pinned_memory, random_bitmask  # noqa: E402
 
 from maskplug import GrammarRows, ScheduledLayout, reference  # noqa: E402
 
@@ -72,14 +72,6 @@ def test_the_kernel_is_vllms_own_and_interpreted() -> None:
     assert vllm_apply().__module__ == "vllm.v1.worker.gpu.structured_outputs"
 
 
-def _bitmask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
-    bm = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
-    bm[rng.random(rows) < 0.2] = -1  # all allowed
-    sparse = rng.random(rows) < 0.2
-    bm[sparse] &= 0x11  # nearly nothing allowed
-    return bm
-
-
 def _case(rng: np.random.Generator, regime: str) -> tuple[SimpleNamespace, list[str], np.ndarray, torch.Tensor, Any]:
     n = int(rng.integers(1, 7))
     no_drafts = regime == "full" and rng.random() < 0.2
@@ -89,7 +81,7 @@ def _case(rng: np.random.Generator, regime: str) -> tuple[SimpleNamespace, list[
     gids = [ids[i] for i in rng.permutation(n)[: int(rng.integers(1, n + 1))]]
     vocab = int(rng.integers(1, 300))
     # STRIDE rows per grammar request; the unused ones hold garbage that must never be applied.
-    bitmask = _bitmask(rng, len(gids) * STRIDE, (vocab + 31) // 32)
+    bitmask = random_bitmask(rng, len(gids) * STRIDE, (vocab + 31) // 32)
     cu = np.concatenate([[0], np.cumsum(active + 1)]).astype(np.int32)
     # vLLM 0.33's host offsets: the scheduled widths, exact (one row each) at budget 0 or without drafts.
     host_cu = cu if regime == "zero" or no_drafts else np.concatenate([[0], np.cumsum(nd + 1)]).astype(np.int32)

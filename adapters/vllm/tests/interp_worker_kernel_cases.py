@@ -58,7 +58,7 @@ from hypothesis import strategies as st  # noqa: E402
 from maskplug_vllm import patches, v0_33  # noqa: E402
 from maskplug_vllm.worker import apply_compacted  # noqa: E402
 from vllm.v1.worker.gpu import structured_outputs as so  # noqa: E402
-from vllm_release import host_streams  # noqa: E402
+from vllm_release import host_streams, random_bitmask  # noqa: E402
 
 from maskplug import GrammarRows, ScheduledLayout, apply_grammar_bitmask, reference  # noqa: E402
 
@@ -142,14 +142,6 @@ class Case:
         )
 
 
-def _bitmask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
-    bm = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
-    bm[rng.random(rows) < 0.2] = -1  # all allowed
-    sparse = rng.random(rows) < 0.2
-    bm[sparse] &= 0x11  # nearly nothing allowed
-    return bm
-
-
 @st.composite
 def cases(draw: st.DrawFn, regime: str) -> Case:
     n = draw(st.integers(1, 6))
@@ -174,9 +166,9 @@ def cases(draw: st.DrawFn, regime: str) -> Case:
     dtype = draw(st.sampled_from(DTYPES))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     index = {r: i for i, r in enumerate(ids)}
-    ragged = _bitmask(rng, int(sum(nd[index[g]] + num_bonus for g in gids)), words)
+    ragged = random_bitmask(rng, int(sum(nd[index[g]] + num_bonus for g in gids)), words)
     # Fixed rows: stride rows per grammar request; the unused ones hold garbage that must never be applied.
-    fixed = _bitmask(rng, len(gids) * (MAX_DRAFTS + num_bonus), words)
+    fixed = random_bitmask(rng, len(gids) * (MAX_DRAFTS + num_bonus), words)
     width = int(np.sum(active + num_bonus))
     logits = torch.from_numpy(rng.standard_normal((width, vocab))).to(dtype)
     return Case(ids, nd, active, num_bonus, gids, vocab, {"ragged": ragged, "fixed": fixed}, logits, no_drafts)

@@ -102,6 +102,15 @@ def cpu_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
+def random_bitmask(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:
+    """Random int32 mask rows for the kernel cases: a fifth all-allowed, a fifth nearly all refused, the rest random."""
+    bm = rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int64).astype(np.int32)
+    bm[rng.random(rows) < 0.2] = -1  # all allowed
+    sparse = rng.random(rows) < 0.2
+    bm[sparse] &= 0x11  # nearly nothing allowed
+    return bm
+
+
 def v033_worker(mask_stride: int, max_num_logits: int, vocab_size: int) -> Any:
     """vLLM 0.33's ``StructuredOutputsWorker`` on the CPU (its ``__init__`` makes a CUDA stream)."""
     from vllm.v1.worker.gpu.structured_outputs import StructuredOutputsWorker
