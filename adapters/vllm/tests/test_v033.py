@@ -188,7 +188,8 @@ def _structured_request(backend_name: str, spec: str) -> SimpleNamespace:
             grammar=None, structured_output_key=(StructuredOutputOptions.REGEX, spec)
         ),
         sampling_params=SimpleNamespace(
-            structured_outputs=SimpleNamespace(_backend=backend_name), all_stop_token_ids={0}
+            structured_outputs=SimpleNamespace(_backend=backend_name, _backend_was_auto=False),
+            all_stop_token_ids={0},
         ),
     )
 
