@@ -4,6 +4,13 @@ A byte-level BPE tokenizer is trained here on text generated from the test
 schemas (deterministic: a fixed corpus, one thread-independent trainer), and a
 ``LlamaForCausalLM`` config with head_dim 64 (the smallest vLLM's CPU attention
 takes) is written beside it; vLLM fills the weights itself (``load_format="dummy"``).
+
+Around the model, what the tests on it share: the engine as they start it
+(:func:`ngram_engine`), the test schemas (:func:`schema_paths`,
+:func:`schema_texts`), random grammar-accepted histories and producer steps
+(:func:`walk`, :func:`random_requests`), a mask row's allowed tokens
+(:func:`allowed`) and JSON outputs read as xgrammar admits them
+(:func:`xgrammar_json`).
 """
 
 from __future__ import annotations
