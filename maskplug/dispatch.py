@@ -143,7 +143,8 @@ def _int_vector(
     if arr.dtype == _INT32 and not wide:
         # Already int32 (a RowMapping's arrays always are): every value fits, and the kernels
         # only read it, so it is handed on as it is, with no copy and no range pass.
-        arr32 = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+        # (A read-only or strided array is copied: torch warns about tensors over read-only memory.)
+        arr32 = arr if arr.flags.c_contiguous and arr.flags.writeable else np.array(arr, order="C")
         if device.type == "cuda":
             return _staging.to_device(name, arr32, device), arr32
         return torch.from_numpy(arr32), arr32

@@ -9,6 +9,7 @@ left as they were, and bad values must be refused before anything is written.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,10 @@ def _as(form: str, arr: np.ndarray) -> Any:
         # Every other element of a twice-as-long array: int32 but not contiguous.
         wide = np.repeat(arr.astype(np.int32), 2)
         return wide[::2]
+    if form == "int32-readonly":
+        ro = arr.astype(np.int32)
+        ro.flags.writeable = False
+        return ro
     if form == "int32-bigendian":
         return arr.astype(">i4")
     if form == "tensor-int32":
@@ -45,7 +50,7 @@ def _host(value: Any) -> np.ndarray:
     return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
 
 
-FORMS = ["int32", "int64", "int32-strided", "int32-bigendian", "tensor-int32", "tensor-int64"]
+FORMS = ["int32", "int64", "int32-strided", "int32-readonly", "int32-bigendian", "tensor-int32", "tensor-int64"]
 
 
 @st.composite
@@ -80,7 +85,9 @@ def test_every_form_matches_reference(case: dict[str, Any], map_form: str, cu_fo
     before = [_host(m).copy() for m in mapping] if not row_mapping else [p.copy() for p in pair]
     cu = _as(cu_form, case["cu"])
     got = case["logits"].clone()
-    mp.apply_grammar_bitmask(got, case["bitmask"], mapping, cu, tail="mask", backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's warning about a tensor over read-only memory
+        mp.apply_grammar_bitmask(got, case["bitmask"], mapping, cu, tail="mask", backend="torch")
     assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
     after = [mapping.request, mapping.position] if row_mapping else list(mapping)
     for b, a in zip(before, after, strict=True):
