@@ -386,19 +386,11 @@ class _Requests:
 
 
 @dataclass
-class _Step:
+class _Step(_Requests):
     """One step's running requests and scheduled layout: what chain and tree steps both carry."""
 
     t: int
     act: list[_Active]
-    rid: I64
-    slots: I64
-    length: I64
-    prefill: npt.NDArray[np.bool_]
-    on_track: npt.NDArray[np.bool_]
-    has_g: npt.NDArray[np.bool_]
-    #: ``window[r, j]``: the reference token ``j`` places past request ``r``'s output
-    window: I64
     num_drafts: I64
     num_non_draft: I64
     layout: ScheduledLayout
@@ -413,7 +405,6 @@ class _Step:
 class _Batch(_Step):
     """One chain step's running requests (stage 2): their state, the scheduled layout and the drafts."""
 
-    sampled: npt.NDArray[np.bool_]
     drafts: Drafts
     #: ``live_cols[r, j]``: draft ``j`` of request ``r`` is scheduled
     live_cols: npt.NDArray[np.bool_]
@@ -735,8 +726,8 @@ class Simulation:
         )
         live_cols = np.arange(d.tokens.shape[1])[None, :] < num_drafts[:, None]
         return _Batch(
-            t, self.active, rid, q.slots, length, prefill, q.on_track, q.has_g, window, num_drafts, num_non_draft,
-            layout, q.sampled, d, live_cols,
+            **vars(q), t=t, act=self.active, num_drafts=num_drafts, num_non_draft=num_non_draft, layout=layout,
+            drafts=d, live_cols=live_cols,
         )  # fmt: skip
 
     def _fill_masks(self, batch: _Batch) -> _Masks:

@@ -172,8 +172,8 @@ class TreeSimulation(Simulation):
         tree = DraftTree(layout, d.parents)
         host = time.perf_counter() - h0
         return _TreeBatch(
-            t, self.active, rid, q.slots, length, prefill, on_track, q.has_g, window, num_drafts, num_non_draft, layout,
-            d, tree, host_s=host,
+            **vars(q), t=t, act=self.active, num_drafts=num_drafts, num_non_draft=num_non_draft, layout=layout,
+            drafts=d, tree=tree, host_s=host,
         )  # fmt: skip
 
     def _tree_masks(self, batch: _TreeBatch) -> _TreeMasks:
