@@ -1,18 +1,25 @@
-"""Compile limits that hold: compiles run in a worker process that is killed when one runs too long.
+"""Compile limits that hold: compiles run in a server process that is killed when one runs too long.
 
 A grammar engine's compile is native code that no Python thread can
 interrupt (a thread left running past a timeout keeps its CPU and memory).
 :class:`CompileWorker` runs compiles in a separate process instead: the
 caller waits at most the limit, and a compile past it is ended by killing the
-process, so nothing keeps running behind the failed request. The next
-compile starts a fresh worker (its start-up is not counted against any
-request's limit).
+process (and waiting until it is gone), so nothing keeps running behind the
+failed request.
+
+Two kinds of process serve one provider. A start-up process (a fresh
+interpreter, ``python -m maskplug.grammar.limits``) imports the engine and
+builds what every compile needs (the engine's tokenizer or vocabulary), once;
+it never compiles. Each compile server is forked from it, so the server
+killed at a limit is replaced in milliseconds by another fork (a fresh
+interpreter took seconds, as much as the limit itself on a loaded machine).
+Neither start-up is counted against any request's limit.
 
 A provider gives the worker a *build* function (importable at module level)
 that returns the function compiling one :class:`~maskplug.grammar.GrammarSpec`
-inside the worker into something picklable (xgrammar's serialized grammar,
-outlines-core's index, llguidance's checked grammar text); the provider turns
-that back into its compiled grammar in the calling process.
+into something picklable (xgrammar's serialized grammar, outlines-core's
+index, llguidance's checked grammar text); the provider turns that back into
+its compiled grammar in the calling process.
 
 Limits: :data:`DEFAULT_COMPILE_LIMIT_S` unless the provider sets its own
 ``compile_limit_s`` (``None``: compile in the calling process, no limit), and
@@ -25,6 +32,10 @@ from __future__ import annotations
 import builtins
 import math
 import os
+import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -48,9 +59,9 @@ __all__ = [
 
 #: Seconds a compile may take unless the provider or the call says otherwise.
 DEFAULT_COMPILE_LIMIT_S = 5.0
-#: Seconds a worker may take to start (import its engine, build the tokenizer); not a request's time.
+#: Seconds the start-up process may take (import the engine, build the tokenizer); not a request's time.
 STARTUP_LIMIT_S = 180.0
-#: A worker with no compile for this long exits (the next compile starts a fresh one).
+#: A compile server with no compile, or a start-up process with no fork, for this long exits.
 IDLE_EXIT_S = 120.0
 
 BuildFn = Callable[..., Callable[[GrammarSpec], Any]]
@@ -73,20 +84,13 @@ def effective_limit(provider_limit: float | None, spec: GrammarSpec) -> float | 
     return limit
 
 
-def _worker_main(inbox: Connection, conn: Connection) -> None:
-    """The worker process: build the compile function, then answer one spec at a time."""
-    try:
-        build, args = inbox.recv()
-        compile_fn = build(*args)
-    except BaseException as exc:  # report why start-up failed, then stop
-        conn.send(("fail", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", None))
+def _serve(conn: Connection, compile_fn: Callable[[GrammarSpec], Any]) -> None:
+    """A compile server: answer one spec at a time on ``conn`` until it closes or stays idle."""
     while True:
         try:
-            if not inbox.poll(IDLE_EXIT_S):
-                return  # idle: free the memory; the provider starts a new worker when needed
-            spec = inbox.recv()
+            if not conn.poll(IDLE_EXIT_S):
+                return  # idle: free the memory; the provider starts a new one when needed
+            spec = conn.recv()
         except (EOFError, OSError):
             return
         if spec is None:
@@ -101,6 +105,53 @@ def _worker_main(inbox: Connection, conn: Connection) -> None:
             conn.send(("err", (f"spec.source: {type(exc).__name__}: {exc}", (type(exc).__name__, str(exc)))))
 
 
+def _zygote_main(ctl_fd: int) -> None:
+    """The start-up process: build the compile function once, then fork a compile server per request for one.
+
+    A server forked from here starts in milliseconds with everything built
+    (engine imported, vocabulary or tokenizer ready); a server killed at a
+    limit is replaced by another fork instead of a fresh interpreter. This
+    process never compiles, so nothing it runs can exceed a limit. Servers are
+    reaped here as they end (``SIGCHLD`` ignored).
+    """
+    ctl = socket.socket(fileno=ctl_fd)
+    conn = Connection(os.dup(ctl_fd))
+    try:
+        build, args = conn.recv()
+        compile_fn = build(*args)
+    except BaseException as exc:  # report why start-up failed, then stop
+        conn.send(("fail", f"{type(exc).__name__}: {exc}"))
+        return
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    conn.send(("ready", None))
+    while True:
+        try:
+            if not conn.poll(IDLE_EXIT_S):
+                return
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg != "fork":
+            return
+        mine, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:  # the compile server
+            code = 0
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                conn.close()
+                ctl.close()
+                mine.close()
+                _serve(Connection(theirs.detach()), compile_fn)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        theirs.close()
+        socket.send_fds(ctl, [struct.pack("<q", pid)], [mine.fileno()])
+        mine.close()
+
+
 def _rebuild_cause(why: tuple[str, str] | None) -> BaseException | None:
     """The engine's exception behind a worker's GrammarError, when it is a builtin exception type."""
     if why is None:
@@ -111,7 +162,32 @@ def _rebuild_cause(why: tuple[str, str] | None) -> BaseException | None:
     return RuntimeError(f"{why[0]}: {why[1]}")
 
 
-def _stop(proc: subprocess.Popen[bytes], conns: tuple[Connection, Connection]) -> None:
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _end(pid: int | None, wait_s: float = 5.0) -> None:
+    """Kill compile server ``pid`` and wait (up to ``wait_s``) until it is gone."""
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + wait_s
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _stop(proc: subprocess.Popen[bytes], conns: tuple[Any, ...], server: list[int | None]) -> None:
+    _end(server[0])
+    server[0] = None
     for c in conns:
         try:
             c.close()
@@ -126,12 +202,16 @@ def _stop(proc: subprocess.Popen[bytes], conns: tuple[Connection, Connection]) -
 
 
 class CompileWorker:
-    """A worker process that compiles for one provider, killed when a compile runs past its limit.
+    """A compile server process for one provider, killed when a compile runs past its limit.
 
-    Compiles are served one at a time; a caller waiting for an earlier
-    compile counts that wait against its own limit, so every caller gets
-    control back within its limit. ``started`` counts worker processes
-    started, ``killed`` those ended for running too long.
+    A start-up process (started once, on the first compile or :meth:`start`)
+    imports the engine and builds what every compile needs; each compile
+    server is forked from it, so replacing a server killed at a limit takes
+    milliseconds instead of a fresh interpreter's start-up. Compiles are
+    served one at a time; a caller waiting for an earlier compile counts that
+    wait against its own limit, so every caller gets control back within its
+    limit. ``started`` counts compile servers started, ``killed`` those ended
+    for running too long.
     """
 
     def __init__(self, name: str, build: BuildFn, args: tuple[Any, ...]) -> None:
@@ -139,34 +219,32 @@ class CompileWorker:
         self._build = build
         self._args = args
         self._lock = threading.Lock()
-        self._proc: Any = None
+        self._proc: Any = None  # the start-up process
+        self._ctl: Connection | None = None  # its messages
+        self._ctl_sock: socket.socket | None = None  # its replies carrying a server's socket
+        self._server: list[int | None] = [None]  # the live compile server's pid
         self._conn: Connection | None = None
         self._recv: Connection | None = None
         self._finalizer: Any = None
         self.started = 0
         self.killed = 0
         self._last_used = -math.inf
+        self._forked_at = -math.inf
 
     @property
     def pid(self) -> int | None:
-        """The live worker's process id (None when none is running)."""
-        p = self._proc
-        return int(p.pid) if p is not None and p.poll() is None else None
+        """The live compile server's process id (None when none is running)."""
+        pid = self._server[0]
+        return pid if pid is not None and not _gone(pid) else None
 
-    def _start(self) -> Connection:
-        fresh = time.monotonic() - self._last_used < IDLE_EXIT_S - 10.0  # well before the worker's idle exit
-        if fresh and self._proc is not None and self._proc.poll() is None and self._conn is not None:
-            self._last_used = time.monotonic()
-            return self._conn
-        self._shutdown()
+    def _start_zygote(self) -> None:
         # A fresh interpreter (``python -m maskplug.grammar.limits``): no inherited engine threads or
         # locks, and the caller's main script is never re-run (as multiprocessing's spawn would).
-        down_r, down_w = os.pipe()
-        up_r, up_w = os.pipe()
+        here, there = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "maskplug.grammar.limits", str(down_r), str(up_w)],
-                pass_fds=(down_r, up_w),
+                [sys.executable, "-m", "maskplug.grammar.limits", str(there.fileno())],
+                pass_fds=(there.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 close_fds=True,
@@ -174,50 +252,97 @@ class CompileWorker:
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
             )
         finally:
-            os.close(down_r)
-            os.close(up_w)
-        send, recv = Connection(down_w, readable=False), Connection(up_r, writable=False)
-        self.started += 1
-        self._proc, self._conn, self._recv = proc, send, recv
-        self._finalizer = weakref.finalize(self, _stop, proc, (send, recv))
+            there.close()
+        ctl = Connection(os.dup(here.fileno()))
+        self._proc, self._ctl, self._ctl_sock = proc, ctl, here
+        self._finalizer = weakref.finalize(self, _stop, proc, (ctl, here), self._server)
         try:
-            send.send((self._build, self._args))
+            ctl.send((self._build, self._args))
         except OSError as exc:
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker did not start: {exc}") from exc
-        if not recv.poll(STARTUP_LIMIT_S):
+        if not ctl.poll(STARTUP_LIMIT_S):
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker did not start within {STARTUP_LIMIT_S:g} s")
         try:
-            kind, detail = recv.recv()
+            kind, detail = ctl.recv()
         except (EOFError, OSError) as exc:
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker died while starting") from exc
         if kind != "ready":
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker could not start: {detail}")
+        self._forked_at = time.monotonic()
+
+    def _start(self) -> Connection:
+        now = time.monotonic()
+        fresh = now - self._last_used < IDLE_EXIT_S - 10.0  # well before the server's idle exit
+        if fresh and self._conn is not None and self.pid is not None:
+            self._last_used = now
+            return self._conn
+        self._end_server()
+        # The start-up process exits when idle as long: start a new one well before that.
+        zygote_fresh = now - self._forked_at < IDLE_EXIT_S - 10.0
+        if not (zygote_fresh and self._proc is not None and self._proc.poll() is None):
+            self._shutdown()
+            self._start_zygote()
+        ctl, sock = self._ctl, self._ctl_sock
+        assert ctl is not None and sock is not None
+        try:
+            ctl.send("fork")
+            ready, _, _ = select.select([sock], [], [], STARTUP_LIMIT_S)
+            if not ready:
+                raise OSError(f"no compile server within {STARTUP_LIMIT_S:g} s")
+            msg, fds, _, _ = socket.recv_fds(sock, 8, 1)
+            if len(msg) != 8 or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise OSError("the start-up process ended")
+        except OSError as exc:
+            self._shutdown()
+            raise GrammarError(f"{self.name}: the compile worker did not start: {exc}") from exc
+        self._forked_at = time.monotonic()
+        self._server[0] = struct.unpack("<q", msg)[0]
+        conn = Connection(fds[0])
+        self.started += 1
+        self._conn = self._recv = conn
         self._last_used = time.monotonic()
-        return send
+        return conn
+
+    def _end_server(self) -> None:
+        """Kill the compile server (if any) and wait until it is gone."""
+        _end(self._server[0])
+        self._server[0] = None
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+        self._conn = self._recv = None
 
     def _shutdown(self) -> None:
+        self._end_server()
         if self._finalizer is not None:
             self._finalizer()
         self._finalizer = None
-        self._proc = self._conn = self._recv = None
+        self._proc = self._ctl = self._ctl_sock = None
 
     def close(self) -> None:
-        """Stop the worker process (a later compile starts a new one)."""
+        """Stop the compile server and the start-up process (a later compile starts new ones)."""
         with self._lock:
             self._shutdown()
 
     def kill(self) -> None:
-        """Kill the worker process now, from any thread (a compile in progress fails with GrammarError)."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        """Kill the compile server now, from any thread (a compile in progress fails with GrammarError)."""
+        pid = self._server[0]
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def start(self) -> None:
-        """Start the worker now (otherwise the first compile does, outside its limit)."""
+        """Start a compile server now (otherwise the first compile does, outside its limit)."""
         with self._lock:
             self._start()
 
@@ -242,7 +367,7 @@ class CompileWorker:
             conn.send(spec)
             if left <= 0 or not recv.poll(max(left, 0.0)):
                 self.killed += 1
-                self._shutdown()
+                self._end_server()  # gone before the caller gets control back; the start-up process stays
                 raise GrammarError(
                     f"spec: {self.name} did not compile this {spec.kind} spec within its limit of {limit_s:g} s; "
                     "the compile was stopped (set compile_limit_s on the provider or the spec to allow more)"
@@ -250,7 +375,7 @@ class CompileWorker:
             try:
                 kind, value = recv.recv()
             except (EOFError, OSError) as exc:
-                self._shutdown()
+                self._end_server()
                 raise GrammarError(
                     f"spec: the {self.name} compile worker died compiling this {spec.kind} spec"
                 ) from exc
@@ -265,5 +390,5 @@ class CompileWorker:
         return value
 
 
-if __name__ == "__main__":  # the worker process (see CompileWorker._start)
-    _worker_main(Connection(int(sys.argv[1]), writable=False), Connection(int(sys.argv[2]), readable=False))
+if __name__ == "__main__":  # the start-up process (see CompileWorker._start_zygote)
+    _zygote_main(int(sys.argv[1]))

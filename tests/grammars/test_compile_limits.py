@@ -186,3 +186,37 @@ def test_a_worker_builds_its_engine_vocabulary_at_start_up(
     assert len(built) == 1  # at start-up, before any spec
     compile_fn(GrammarSpec("regex", "[a-z]{1,4}"))
     assert all(isinstance(p, cls) for p in built)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_server_killed_at_its_limit_is_replaced_by_a_fork_of_the_start_up_process() -> None:
+    """Restarting after a kill forks the process that already built everything: no new interpreter."""
+    p = OutlinesProvider(mistral_tekken(), compile_limit_s=LIMIT)
+    w = p.worker
+    w.start()
+    zygote = w._proc.pid
+    first = w.pid
+    assert first is not None and _parent(first) == zygote
+    for n in (1, 2):
+        old = w.pid
+        assert old is not None
+        with pytest.raises(GrammarError, match=r"within its limit of 0.3 s"):
+            p.compile(GrammarSpec(SLOW.kind, {**SLOW.source, "title": f"fresh {n}"}))
+        assert _gone(old) and w.pid is None and w.killed == n
+        # The start-up process stays (idle: it never compiles) and forks the next server.
+        assert w._proc.pid == zygote and not _gone(zygote)
+        w.start()
+        new = w.pid
+        assert new is not None and new != old and _parent(new) == zygote and w.started == n + 1
+    g = p.compile(GrammarSpec("regex", "[a-c]+x"))  # a forked server compiles like the first one
+    v = mistral_tekken()
+    m = g.matcher()
+    assert all(m.accept(t) for t in v.encode("abcx")) and m.accept(v.eos_ids[0])
+    server = w.pid
+    assert server is not None
+    w.close()  # nothing keeps running: neither the server nor the start-up process
+    assert _gone(server) and _gone(zygote) and w.pid is None
