@@ -198,7 +198,7 @@ class Workload:
         self.provider = provider
         self.schemas = load_schemas(config.schema_dir)
         self._cache: dict[int, _Prepared] = {}
-        self._by_bytes: dict[bytes, int] | None = None
+        self._by_bytes: dict[bytes, list[int]] | None = None
         self._longest = 0
         #: Requests that failed (request index -> (request name, the grammar error)), in the order reached.
         self.failures: dict[int, tuple[str, str]] = {}
@@ -206,13 +206,18 @@ class Workload:
         self._failed_specs: dict[str, str] = {}
 
     def _guided(self, text: str, matcher: Any) -> list[int] | None:
-        """Tokenise ``text`` greedily (longest token first) among the tokens the grammar allows."""
+        """Tokenise ``text`` greedily (longest token first) among the tokens the grammar allows.
+
+        Where several ids spell the same bytes (a piece and its byte-fallback
+        token), the first the grammar allows is taken: a provider holding
+        forced text to the tokenizer's own spelling allows only one of them.
+        """
         if self._by_bytes is None:
             vocab = self.tok.vocab
             self._by_bytes = {}
             for i, t in enumerate(vocab.tokens):
                 if t and i not in vocab.special_ids:
-                    self._by_bytes.setdefault(t, i)
+                    self._by_bytes.setdefault(t, []).append(i)
             self._longest = max(len(t) for t in self._by_bytes)
         raw = text.encode("utf-8")
         bm = self.tok.vocab.new_bitmask(1)
@@ -222,8 +227,11 @@ class Workload:
             matcher.fill(bm, 0)
             words = bm[0].numpy()
             for n in range(min(self._longest, len(raw) - pos), 0, -1):
-                tid = self._by_bytes.get(raw[pos : pos + n])
-                if tid is not None and (int(words[tid >> 5]) >> (tid & 31)) & 1 and matcher.accept(tid):
+                tid = next(
+                    (i for i in self._by_bytes.get(raw[pos : pos + n], ()) if (int(words[i >> 5]) >> (i & 31)) & 1),
+                    None,
+                )
+                if tid is not None and matcher.accept(tid):
                     ids.append(tid)
                     pos += n
                     break

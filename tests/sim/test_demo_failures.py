@@ -132,3 +132,24 @@ def test_a_run_whose_every_grammar_fails_stops_with_a_clear_error(stopping_provi
     cfg = SimConfig(steps=3, concurrency=2, tokenizer="spm", provider=StopsEverySpec.name, mix=WorkloadMix(1, 0, 0))
     with pytest.raises(GrammarError, match=r"^workload: 1000 requests in a row failed; the last: spec: "):
         run_demo(cfg, ["no-spec"], progress=False)
+
+
+def test_references_follow_a_provider_that_holds_forced_text_to_the_tokenizers_spelling() -> None:
+    """llguidance (auto's first choice) allows one of the ids that spell the same bytes (a piece or its byte
+    token) in forced text; the workload's reference takes that one, so every request of the stream is served."""
+    from maskplug.sim import Workload
+    from maskplug.sim.tokenizers import load_tokenizer
+
+    cfg = SimConfig(tokenizer="spm", provider="llguidance")
+    tok = load_tokenizer(cfg.tokenizer)
+    work = Workload(cfg, tok, grammar_provider("llguidance", tok.vocab))
+    dup = {}
+    for i, t in enumerate(tok.vocab.tokens):
+        if t and i not in tok.vocab.special_ids:
+            dup.setdefault(t, []).append(i)
+    assert any(len(ids) > 1 for ids in dup.values())  # the vocabulary has such spellings
+    served = [work.get(i) for i in range(40)]
+    assert work.failures == {}
+    for prep in served:
+        if prep.compiled is not None:  # the reference is what the grammar accepts, to the stop token
+            assert prep.compiled.matcher().validate(prep.ref.tolist()) == len(prep.ref)
