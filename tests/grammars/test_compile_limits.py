@@ -177,9 +177,19 @@ def test_a_worker_builds_its_engine_vocabulary_at_start_up(
     if isinstance(real, property):
         getter = real.fget
         assert getter is not None
-        monkeypatch.setattr(cls, attr, property(lambda self: built.append(self) or getter(self)))
+
+        def counted_get(self: object) -> object:
+            built.append(self)
+            return getter(self)
+
+        monkeypatch.setattr(cls, attr, property(counted_get))
     else:
-        monkeypatch.setattr(cls, attr, lambda self: built.append(self) or real(self))
+
+        def counted(self: object) -> object:
+            built.append(self)
+            return real(self)
+
+        monkeypatch.setattr(cls, attr, counted)
     mod = importlib.import_module(module)
     args = (mistral_sentencepiece(),) if cls is LLGuidanceProvider else (mistral_sentencepiece(), 0)
     compile_fn = mod.worker_compiler(*args)

@@ -143,7 +143,7 @@ def test_references_follow_a_provider_that_holds_forced_text_to_the_tokenizers_s
     cfg = SimConfig(tokenizer="spm", provider="llguidance")
     tok = load_tokenizer(cfg.tokenizer)
     work = Workload(cfg, tok, grammar_provider("llguidance", tok.vocab))
-    dup = {}
+    dup: dict[bytes, list[int]] = {}
     for i, t in enumerate(tok.vocab.tokens):
         if t and i not in tok.vocab.special_ids:
             dup.setdefault(t, []).append(i)
