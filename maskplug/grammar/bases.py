@@ -23,7 +23,7 @@ from .protocols import BatchOps, CompiledGrammar, Matcher
 from .rows import stop_row
 from .spec import GrammarSpec, Vocab
 
-__all__ = ["BatchOpsBase", "ChainOpsBase", "CompileCache", "MatcherBase", "ProviderBase"]
+__all__ = ["BatchOpsBase", "ChainOpsBase", "CompileCache", "FailedMatcher", "MatcherBase", "ProviderBase"]
 
 
 class CompileCache:
@@ -353,3 +353,48 @@ class ChainOpsBase(BatchOpsBase, Generic[M]):
     ) -> list[int]:
         """The engine's walk over checked arguments (``workers`` >= 1 threads may be used)."""
         raise NotImplementedError
+
+
+class FailedMatcher:
+    """A failed grammar's stand-in: every call that would move or read the engine raises its error.
+
+    An engine integration that has marked one request's grammar as failed
+    hands this to :func:`maskplug.fill_draft_masks` (or
+    :func:`maskplug.fill_tree_masks`) in place of the real matcher: the
+    request then gets the stop-only rows and is reported again in
+    ``failed``, while the real matcher is never touched. ``vocab`` is the
+    request's vocabulary (its stop tokens make the stop-only row; ``None``
+    where the engine does not say). ``is_terminated`` answers False, so the
+    producer asks for a row and meets the error.
+    """
+
+    batch_ops = None
+    releases_gil = False
+
+    def __init__(self, vocab: Vocab | None, error: GrammarError | str) -> None:
+        self.vocab = vocab
+        self._text = str(error)
+
+    def _error(self) -> GrammarError:
+        return GrammarError(f"the grammar failed earlier: {self._text}")
+
+    def accept(self, token: int) -> bool:
+        raise self._error()
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        raise self._error()
+
+    def rollback(self, n: int) -> None:
+        raise self._error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        raise self._error()
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        raise self._error()
+
+    def fork(self) -> Matcher:
+        raise self._error()

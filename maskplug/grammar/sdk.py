@@ -25,12 +25,15 @@ How the pieces fit:
   :func:`schema_dict`, :func:`check_choice`), fixed rows (:func:`bits_row`,
   :func:`stop_row`, :func:`text_ids`) and the thread pools
   (:func:`shared_pool`, :func:`spread_tasks`).
+* :class:`FailedMatcher`: for engine integrations, the stand-in for a grammar
+  already marked failed (every call raises its error, so the producer gives
+  that request the stop-only rows and reports it in ``failed``).
 """
 
 from __future__ import annotations
 
 from ..errors import GrammarError
-from .bases import BatchOpsBase, ChainOpsBase, CompileCache, MatcherBase, ProviderBase
+from .bases import BatchOpsBase, ChainOpsBase, CompileCache, FailedMatcher, MatcherBase, ProviderBase
 from .checks import check_bitmask, check_chain_args, check_choice, check_token, schema_dict, schema_text
 from .pools import shared_pool, spread_tasks
 from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
@@ -45,6 +48,7 @@ __all__ = [
     "ChainOpsBase",
     "CompileCache",
     "CompiledGrammar",
+    "FailedMatcher",
     "GrammarError",
     "GrammarProvider",
     "GrammarSpec",

@@ -496,6 +496,31 @@ def test_a_fault_inside_a_providers_engine_fails_its_request_alone(provider: str
     assert [state_of(ms[g], v, probes[g]) for g in keep] == [before[g] for g in keep]
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_failed_matcher_stands_in_for_a_grammar_already_failed(strategy: str) -> None:
+    """The SDK's FailedMatcher: its request gets the stop-only rows and is reported; the others are untouched."""
+    from maskplug.grammar.sdk import FailedMatcher
+
+    v = vocab()
+    rng = random.Random(11)
+    ms: list[Any] = [grammar(PROVIDERS[0], REGEXES[0]).matcher() for _ in range(3)]
+    drafts = [random_walk(m, v, rng, 3, stop=False) for m in ms]
+    drafts = [d + [5] * (3 - len(d)) for d in drafts]
+    ms[1] = FailedMatcher(v, GrammarError("matchers[1]: the engine broke"))
+    with pytest.raises(GrammarError, match="failed earlier: matchers\\[1\\]: the engine broke"):
+        ms[1].accept(0)
+    assert not ms[1].is_terminated()
+    ids = ["a", "b", "c"]
+    layout = ScheduledLayout(ids, [3] * 3, [1] * 3)
+    bm = torch.randint(-(2**31), 2**31 - 1, (12, v.mask_words), dtype=torch.int32)
+    out = fill_draft_masks(ms, drafts, bm, GrammarRows(ids), layout, strategy=strategy)
+    assert list(out.failed) == [1] and "the grammar failed earlier" in str(out.failed[1])
+    assert bool((bm[4:8] == stop_row(v)).all()) and int(out.acceptable[1]) == 0
+    ref_bm = v.new_bitmask(8)
+    fill_draft_masks([ms[0], ms[2]], [drafts[0], drafts[2]], ref_bm, GrammarRows(["a", "c"]), layout)
+    assert torch.equal(bm[0:4], ref_bm[0:4]) and torch.equal(bm[8:12], ref_bm[4:8])
+
+
 # ---------------------------------------------------------------- commit and commit_many
 
 

@@ -63,6 +63,7 @@ from maskplug.grammar.base import check_bitmask
 from maskplug.grammar.checks import check_token
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
+from maskplug.grammar.sdk import FailedMatcher
 
 from .vocab import vocab_from_tokenizer
 
@@ -232,7 +233,7 @@ class MaskplugGrammar(BaseGrammarObject):
         self.num_accepted = 0
         self.error: GrammarError | None = None
         self.error_reported = False
-        self._failed: _FailedMatcher | None = None
+        self._failed: FailedMatcher | None = None
         self._stop: torch.Tensor | None = None
 
     # -- failure -------------------------------------------------------------------
@@ -500,7 +501,7 @@ class MaskplugGrammar(BaseGrammarObject):
         if self.error is None:
             return self.matcher
         if self._failed is None:
-            self._failed = _FailedMatcher(self.vocab, self.error)
+            self._failed = FailedMatcher(self.vocab, self.error)
         return self._failed
 
     def _short_key(self) -> str:
@@ -512,46 +513,6 @@ class MaskplugGrammar(BaseGrammarObject):
             f"MaskplugGrammar(key={self._short_key()!r}, accepted={self.num_accepted}, "
             f"terminated={self.is_terminated()})"
         )
-
-
-class _FailedMatcher:
-    """A failed grammar's stand-in for a mask-row producer: every call raises its error.
-
-    :func:`maskplug.fill_draft_masks` then gives the request the stop-only
-    rows (and reports it again in ``DraftMasks.failed``) without the real
-    matcher being touched.
-    """
-
-    batch_ops = None
-    releases_gil = False
-
-    def __init__(self, vocab: Vocab, error: GrammarError) -> None:
-        self.vocab = vocab
-        self._text = str(error)
-
-    def _error(self) -> GrammarError:
-        return GrammarError(f"the grammar failed earlier: {self._text}")
-
-    def accept(self, token: int) -> bool:
-        raise self._error()
-
-    def validate(self, tokens: Sequence[int]) -> int:
-        raise self._error()
-
-    def rollback(self, n: int) -> None:
-        raise self._error()
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        raise self._error()
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def reset(self) -> None:
-        raise self._error()
-
-    def fork(self) -> Matcher:
-        raise self._error()
 
 
 def producer_matcher(grammar: MaskplugGrammar) -> Matcher:

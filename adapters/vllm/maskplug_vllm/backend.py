@@ -23,6 +23,7 @@ from maskplug import GrammarError, PluginError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
+from maskplug.grammar.sdk import FailedMatcher
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
 __all__ = [
@@ -146,7 +147,7 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
         self.request_id: str | None = None
         self._request: Callable[[], Any] | None = None
         self._stop: torch.Tensor | None = None
-        self._failed: _FailedMatcher | None = None
+        self._failed: FailedMatcher | None = None
 
     # -- failure -----------------------------------------------------------------
     @property
@@ -288,51 +289,11 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
         self.num_processed_tokens = 0
 
 
-class _FailedMatcher:
-    """A failed grammar's stand-in for the mask-row producer: every call raises its error.
-
-    :func:`maskplug.fill_draft_masks` then gives the request the stop-only
-    rows (and reports it again in ``DraftMasks.failed``) without the real
-    matcher being touched.
-    """
-
-    batch_ops = None
-    releases_gil = False
-
-    def __init__(self, vocab: Vocab | None, error: GrammarError) -> None:
-        self.vocab = vocab
-        self._text = str(error)
-
-    def _error(self) -> GrammarError:
-        return GrammarError(f"the grammar failed earlier: {self._text}")
-
-    def accept(self, token: int) -> bool:
-        raise self._error()
-
-    def validate(self, tokens: Sequence[int]) -> int:
-        raise self._error()
-
-    def rollback(self, n: int) -> None:
-        raise self._error()
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        raise self._error()
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def reset(self) -> None:
-        raise self._error()
-
-    def fork(self) -> Matcher:
-        raise self._error()
-
-
 def producer_matcher(grammar: Any) -> Any:
     """The matcher the mask-row producer gets for one request's grammar (a raising stand-in once it failed)."""
     if isinstance(grammar, MaskplugGrammar) and grammar.error is not None:
         if grammar._failed is None:
-            grammar._failed = _FailedMatcher(grammar.vocab, grammar.error)
+            grammar._failed = FailedMatcher(grammar.vocab, grammar.error)
         return grammar._failed
     return grammar.matcher
 
