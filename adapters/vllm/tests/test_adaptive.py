@@ -29,10 +29,7 @@ the rule says what the test would accept, and nothing looser.)
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +37,6 @@ import jsonschema
 import pytest
 import tiny_model
 
-HERE = Path(__file__).resolve().parent
 SCHEDULERS = ("no-spec", "verify-all", "random-budget", "goodput", "grammar-aware:goodput")
 SPECS = (3, 5)
 
@@ -55,18 +51,7 @@ RAW_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 
 
 def _run(model: Path, out: Path, env_extra: dict[str, str], *args: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
-    env.update(env_extra)
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "adaptive_run.py"), str(model), str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return tiny_model.run_script("adaptive_run.py", model, out, *args, env=env_extra, timeout=900)
 
 
 @pytest.fixture(scope="module")

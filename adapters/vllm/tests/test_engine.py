@@ -11,10 +11,7 @@ own xgrammar backend. About 90 s in all on two cores.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +19,9 @@ import jsonschema
 import pytest
 import tiny_model
 
-HERE = Path(__file__).resolve().parent
-
 
 def _run(model: Path, out: Path, enabled: bool, *extra: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
-    if enabled:
-        env["MASKPLUG_VLLM"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(model), str(out), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return tiny_model.run_script("engine_run.py", model, out, *extra, env={"MASKPLUG_VLLM": "1"} if enabled else {})
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,8 +27,6 @@ from maskplug import GrammarError
 from maskplug.grammar import GrammarSpec, grammar_provider
 from maskplug.grammar.rows import stop_row
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
-
-HERE = Path(__file__).resolve().parent
 
 VLLM_RELEASES = ("0.32.0", "0.33.0")
 """The grammar and both releases' producers run under either; the engine only under 0.32 (``needs_v032``)."""
@@ -234,18 +228,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("faults")
     model = tiny_model.build(folder / "model")
     out = folder / "faults.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
-    env["MASKPLUG_VLLM"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "fault_run.py"), str(model), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    return tiny_model.run_script("fault_run.py", model, out, env={"MASKPLUG_VLLM": "1"})
 
 
 @needs_v032

@@ -11,18 +11,13 @@ on two cores, in a fresh process.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import tiny_model
 
-HERE = Path(__file__).resolve().parent
 NUM_REQUESTS = 300
 
 
@@ -31,18 +26,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("long")
     model = tiny_model.build(folder / "model")
     out = folder / "out.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
-    env.update(MASKPLUG_VLLM="1", MASKPLUG_VLLM_SCHEDULER="grammar-aware:goodput")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "long_run.py"), str(model), str(out), "--requests", str(NUM_REQUESTS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"long run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    env = {"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "grammar-aware:goodput"}
+    return tiny_model.run_script("long_run.py", model, out, "--requests", str(NUM_REQUESTS), env=env)
 
 
 def test_every_request_ended_and_the_traffic_had_every_kind_of_ending(run: dict[str, Any]) -> None:

@@ -10,9 +10,6 @@ the matching provider; ``MASKPLUG_VLLM_PROVIDER`` overrides both.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,8 +25,6 @@ from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
 from maskplug import PluginError
 from maskplug.grammar import grammar_providers
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(autouse=True)
@@ -116,19 +111,8 @@ def test_grammar_init_asks_for_auto_when_vllm_chose_the_backend(
 
 
 def _run(model: Path, out: Path, enabled: bool, backend: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
-    if enabled:
-        env["MASKPLUG_VLLM"] = "1"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "engine_run.py"), str(model), str(out), "--backend", backend],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    env = {"MASKPLUG_VLLM": "1"} if enabled else {}
+    return tiny_model.run_script("engine_run.py", model, out, "--backend", backend, env=env)
 
 
 def test_engine_with_vllms_default_config_is_served_by_auto(tmp_path: Path) -> None:

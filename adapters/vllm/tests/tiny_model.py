@@ -16,7 +16,10 @@ Around the model, what the tests on it share: the engine as they start it
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +277,26 @@ def xgrammar_json(text: str) -> Any:
         escaped, raw = escape_raw_in_strings(text)
         assert raw and raw <= BOUNDED_RAW, text
         return json.loads(escaped)
+
+
+def run_script(
+    script: str, model: Path, out: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600
+) -> dict[str, Any]:
+    """Run one of this folder's engine scripts in a fresh process and return the JSON it wrote to ``out``.
+
+    The process gets this environment without any ``MASKPLUG_VLLM*`` variable, plus ``env`` (so each run
+    says for itself whether maskplug is on); a failed run raises with the end of its stderr.
+    """
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    run_env.update(env or {})
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run(
+        [sys.executable, str(here / script), str(model), str(out), *args],
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
