@@ -53,19 +53,20 @@ def state_of(m: Matcher, v: Vocab, probe: Sequence[int]) -> tuple[bytes, bool, i
 def random_walk(m: Matcher, v: Vocab, rng: random.Random, length: int, *, stop: bool) -> list[int]:
     """Up to ``length`` tokens the grammar allows, chosen at random (matcher restored afterwards).
 
-    With ``stop``, the walk ends with a stop token as soon as one is allowed.
+    With ``stop``, the walk ends with a stop token as soon as one is allowed. A terminated matcher
+    (its stop token accepted) allows nothing more: its walk is empty.
     """
     out: list[int] = []
     bm = v.new_bitmask(1)
     try:
-        while len(out) < length:
+        while len(out) < length and not m.is_terminated():
             m.fill(bm, 0)
             ids = allowed_ids(bm[0], v.vocab_size)
             eos = [int(t) for t in ids if int(t) in v.eos_ids]
             text = [int(t) for t in ids if int(t) not in v.eos_ids]
             if stop and eos and (not text or rng.random() < 0.5):
-                out.append(eos[0])
                 assert m.accept(eos[0])
+                out.append(eos[0])
                 break
             if not text:
                 break

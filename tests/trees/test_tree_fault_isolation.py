@@ -58,10 +58,10 @@ from test_fault_isolation import (
     FAULT_OPS,
     REGEXES,
     BrokenEngine,
-    EngineFault,
     Fault,
     Faulty,
     FaultyOps,
+    assert_failures_reported,
     grammar,
     vocab,
 )
@@ -196,21 +196,7 @@ def check_tree_isolated(b: TreeBatch, strategy: str, flat: bool) -> TreeMasks:
     out = fill_tree_masks(b.given, arg, bm, rows, b.tree, strategy=strategy, threads=2)
     assert torch.equal(bm[total:], tail), "a row past the batch was written"
 
-    fired = {g for g, f in enumerate(b.faults) if f is not None and f.fired}
-    expect = b.bad_ids | fired
-    assert set(out.failed) == {b.grammar[g] for g in expect}
-    assert out.request.tolist() == b.grammar
-    for g in expect:
-        err = out.failed[b.grammar[g]]
-        assert isinstance(err, GrammarError)
-        if g in b.bad_ids:
-            assert str(err).startswith(f"tokens[{g}]["), str(err)
-            assert "expected a token id in [0, " in str(err)
-            f = b.faults[g]
-            assert f is None or not f.calls, "a request with a bad node id was walked"
-        else:
-            assert str(err).startswith(f"matchers[{g}]: "), str(err)
-            assert isinstance(err.__cause__, EngineFault), repr(err.__cause__)
+    expect = assert_failures_reported(out, b, "tokens")
     # What fill_tree_masks hands out passes the budget's own check, failures included.
     checked = check_tree_masks(out, b.tree)
     assert dict(checked.failed) == dict(out.failed)
