@@ -45,8 +45,7 @@ import torch
 from .draftmasks import DraftMasks
 from .errors import GrammarError, LayoutError
 from .grammar import fill_draft_masks
-from .grammar.checks import check_bitmask
-from .grammar.draft import _brief
+from .grammar.checks import brief_error, check_bitmask
 from .grammar.pools import shared_pool
 from .grammar.protocols import Matcher
 from .grammar.rows import stop_row
@@ -251,14 +250,14 @@ def _walk_dfs(
 
 def _matcher_failed(m: Matcher, g: int, exc: BaseException, doing: str, depth: int) -> GrammarError:
     """Request ``g``'s error for ``exc``, after rolling back the ``depth`` tokens its matcher had accepted."""
-    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {_brief(exc)}"
+    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {brief_error(exc)}"
     if depth:
         try:
             m.rollback(depth)
         except Exception as back:
             msg += (
                 f"; rolling back the {depth} tokens it had accepted then raised {type(back).__name__} "
-                f"({_brief(back)}): the matcher is not where it started and should be dropped"
+                f"({brief_error(back)}): the matcher is not where it started and should be dropped"
             )
     err = GrammarError(msg)
     err.__cause__ = exc

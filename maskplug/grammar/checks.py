@@ -16,7 +16,15 @@ import torch
 from ..errors import GrammarError
 from .spec import Vocab
 
-__all__ = ["check_bitmask", "check_chain_args", "check_choice", "check_token", "schema_dict", "schema_text"]
+__all__ = [
+    "brief_error",
+    "check_bitmask",
+    "check_chain_args",
+    "check_choice",
+    "check_token",
+    "schema_dict",
+    "schema_text",
+]
 
 
 def check_token(token: Any, vocab: Vocab, arg: str = "token") -> int:
@@ -111,3 +119,9 @@ def schema_dict(source: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise GrammarError(f"spec.source: expected a JSON schema object, got {type(value).__name__}")
     return value
+
+
+def brief_error(exc: BaseException) -> str:
+    """An exception's message on one line, cut to 300 characters: what an error naming a request quotes."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

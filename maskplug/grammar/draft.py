@@ -58,7 +58,7 @@ import torch
 from ..draftmasks import DraftMasks
 from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
-from .checks import check_bitmask
+from .checks import brief_error, check_bitmask
 from .jobs import Claim, DraftMasksJob, claim, release
 from .pools import shared_pool
 from .protocols import BatchOps, ChainOps, Matcher
@@ -336,14 +336,14 @@ def _fail(w: _Walk, g: int, exc: BaseException, doing: str) -> None:
     w.alive[g] = False
     k = int(w.accepted[g])
     w.accepted[g] = 0
-    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {_brief(exc)}"
+    msg = f"matchers[{g}]: the matcher raised {type(exc).__name__} {doing}: {brief_error(exc)}"
     if k:
         try:
             w.matchers[g].rollback(k)
         except Exception as back:
             msg += (
                 f"; rolling back the {k} drafts it had accepted then raised {type(back).__name__} "
-                f"({_brief(back)}): the matcher is not where it started and should be dropped"
+                f"({brief_error(back)}): the matcher is not where it started and should be dropped"
             )
     err = GrammarError(msg)
     err.__cause__ = exc
@@ -362,16 +362,10 @@ def _rollback_one(w: _Walk, g: int, k: int | None = None) -> None:
         w.alive[g] = False
         err = GrammarError(
             f"matchers[{g}]: rolling back the {k} drafts it accepted raised {type(exc).__name__} "
-            f"({_brief(exc)}): the matcher is not where it started and should be dropped"
+            f"({brief_error(exc)}): the matcher is not where it started and should be dropped"
         )
         err.__cause__ = exc
         w.errors[g] = err
-
-
-def _brief(exc: BaseException) -> str:
-    """An exception's message on one line, cut to a readable length."""
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _counts(ms: Sequence[Matcher], members: Sequence[int]) -> list[int | None]:
@@ -419,7 +413,7 @@ def _redo_serially(w: _Walk, members: Sequence[int], what: str, exc: BaseExcepti
         what,
         type(exc).__name__,
         len(members),
-        _brief(exc),
+        brief_error(exc),
     )
     for g in members:
         if g in w.errors:
@@ -959,14 +953,14 @@ def _advance(matcher: Matcher, toks: IntArray, arg: str) -> int:
             taken += 1
         return taken
     except Exception as exc:
-        msg = f"{arg}: the matcher raised {type(exc).__name__} in its {doing}: {_brief(exc)}"
+        msg = f"{arg}: the matcher raised {type(exc).__name__} in its {doing}: {brief_error(exc)}"
         if taken:
             try:
                 matcher.rollback(taken)
             except Exception as back:
                 msg += (
                     f"; rolling back the {taken} tokens it had taken then raised {type(back).__name__} "
-                    f"({_brief(back)}): the matcher is not where it started and should be dropped"
+                    f"({brief_error(back)}): the matcher is not where it started and should be dropped"
                 )
             else:
                 msg += f"; the {taken} tokens it had taken were rolled back"

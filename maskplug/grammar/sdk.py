@@ -21,7 +21,8 @@ How the pieces fit:
   (a matcher's ``batch_ops``); override what the engine does in bulk, and
   implement ``_fill_chains`` for whole draft chains (:class:`ChainOps`).
 * Argument checks (:func:`check_token`, :func:`check_bitmask`,
-  :func:`check_chain_args`), spec-source readers (:func:`schema_text`,
+  :func:`check_chain_args`, :func:`brief_error` for an engine's message
+  quoted in an error), spec-source readers (:func:`schema_text`,
   :func:`schema_dict`, :func:`check_choice`), fixed rows (:func:`bits_row`,
   :func:`stop_row`, :func:`text_ids`) and the thread pools
   (:func:`shared_pool`, :func:`spread_tasks`).
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 from ..errors import GrammarError
 from .bases import BatchOpsBase, ChainOpsBase, CompileCache, FailedMatcher, MatcherBase, ProviderBase
-from .checks import check_bitmask, check_chain_args, check_choice, check_token, schema_dict, schema_text
+from .checks import brief_error, check_bitmask, check_chain_args, check_choice, check_token, schema_dict, schema_text
 from .pools import shared_pool, spread_tasks
 from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
 from .rows import bits_row, stop_row, text_ids
@@ -57,6 +58,7 @@ __all__ = [
     "ProviderBase",
     "Vocab",
     "bits_row",
+    "brief_error",
     "check_bitmask",
     "check_chain_args",
     "check_choice",

@@ -63,7 +63,7 @@ from maskplug.grammar.base import check_bitmask
 from maskplug.grammar.checks import check_token
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
-from maskplug.grammar.sdk import FailedMatcher
+from maskplug.grammar.sdk import FailedMatcher, brief_error
 
 from .vocab import vocab_from_tokenizer
 
@@ -244,7 +244,7 @@ class MaskplugGrammar(BaseGrammarObject):
         text = (
             str(error)
             if isinstance(error, GrammarError)
-            else f"the matcher raised {type(error).__name__}: {_brief(error)}"
+            else f"the matcher raised {type(error).__name__}: {brief_error(error)}"
         )
         err = GrammarError(f"{text} (grammar key {' '.join(self._short_key().split())})")
         err.__cause__ = error
@@ -256,7 +256,7 @@ class MaskplugGrammar(BaseGrammarObject):
         return None if self.error is None else f"{ERROR_PREFIX}{self.error}"
 
     def _raised(self, exc: Exception, doing: str) -> None:
-        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {_brief(exc)}")
+        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {brief_error(exc)}")
         err.__cause__ = exc
         self.fail(err)
 
@@ -549,11 +549,6 @@ def abort_failed_requests(reqs: Sequence[Any]) -> list[Any]:
         req.to_finish = FINISH_ABORT(g.abort_message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
         aborted.append(rid)
     return aborted
-
-
-def _brief(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def fill_draft_chains(

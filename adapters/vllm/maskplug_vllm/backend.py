@@ -23,7 +23,7 @@ from maskplug import GrammarError, PluginError
 from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
-from maskplug.grammar.sdk import FailedMatcher
+from maskplug.grammar.sdk import FailedMatcher, brief_error
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
 __all__ = [
@@ -178,7 +178,7 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
         text = (
             str(error)
             if isinstance(error, GrammarError)
-            else f"the matcher raised {type(error).__name__}: {_brief(error)}"
+            else f"the matcher raised {type(error).__name__}: {brief_error(error)}"
         )
         err = GrammarError(text if self.request_id is None else f"request {self.request_id!r}: {text}")
         err.__cause__ = error
@@ -192,7 +192,7 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
             req.stop_reason = self.error_text
 
     def _raised(self, exc: Exception, doing: str) -> None:
-        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {_brief(exc)}")
+        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {brief_error(exc)}")
         err.__cause__ = exc
         self.fail(err)
 
@@ -296,11 +296,6 @@ def producer_matcher(grammar: Any) -> Any:
             grammar._failed = FailedMatcher(grammar.vocab, grammar.error)
         return grammar._failed
     return grammar.matcher
-
-
-def _brief(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def bind_grammars(requests: Mapping[str, Any], request_ids: Sequence[str]) -> list[Any]:
