@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from grammar_testkit import SLOW_OUTLINES as SLOW
 from maskplug_llguidance import LLGuidanceProvider
 from maskplug_outlines import OutlinesProvider
 from maskplug_xgrammar import XGrammarProvider
@@ -17,20 +18,6 @@ from maskplug.grammar import GrammarSpec
 from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker
 from maskplug.grammar.vocabs import mistral_sentencepiece, mistral_tekken
 
-# Building outlines-core's automaton for this schema over tekken's 131k tokens takes seconds.
-SLOW = GrammarSpec(
-    "json_schema",
-    {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 40},
-            "tags": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,12}"}, "maxItems": 6},
-            "id": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{6}"},
-            "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
-        },
-        "required": ["name", "id"],
-    },
-)
 LIMIT = 0.3
 # Time the caller may take past the limit to kill and reap the worker (a loaded test machine).
 SLACK = 2.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from grammar_testkit import SLOW_OUTLINES
 
 from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
@@ -116,20 +117,7 @@ def test_the_compile_limit_holds_for_auto_as_a_whole() -> None:
 
     v = mistral_tekken()
     a = AutoProvider(v, candidates=["outlines-core", "llguidance"], compile_limit_s=0.3)
-    # Building outlines-core's automaton for this schema over tekken's 131k tokens takes seconds.
-    spec = GrammarSpec(
-        "json_schema",
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "maxLength": 40},
-                "tags": {"type": "array", "items": {"type": "string", "pattern": "[a-z]{2,12}"}, "maxItems": 6},
-                "id": {"type": "string", "pattern": "[A-Z]{3}-[0-9]{6}"},
-                "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
-            },
-            "required": ["name", "id"],
-        },
-    )
+    spec = SLOW_OUTLINES  # its outlines-core automaton over tekken's 131k tokens takes seconds
     for name in a.candidates:
         a.provider(name).cache.clear()
         a.provider(name).worker.start()  # start-up is not a request's time
