@@ -2,31 +2,38 @@
 
 With ``MASKPLUG_VLLM=1`` and ``MASKPLUG_VLLM_SCHEDULER=<name>`` (any
 registered scheduler, ``grammar-aware:<inner>`` for the grammar-aware wrapper
-of another one), every engine step runs like this:
+of another one), every engine step runs like this. Every decision is made once,
+in the process that schedules the step (vLLM's engine core); the workers, one
+or many, in that process or others, at any tensor-parallel rank, only apply it.
 
-1. vLLM's scheduler schedules the step as usual, drafts included, and the
-   grammar rows for every scheduled draft are produced right away (maskplug's
-   producer, :func:`maskplug.fill_draft_masks`), together with the step's
-   :class:`~maskplug.DraftMasks`. Both travel to the model runner on the
-   scheduler output.
-2. In the model runner, before it builds its inputs, the step's
+1. **Engine core, scheduling.** vLLM's scheduler schedules the step as usual,
+   drafts included, and the grammar rows for every scheduled draft are
+   produced right away (maskplug's producer, :func:`maskplug.fill_draft_masks`),
+   together with the step's :class:`~maskplug.DraftMasks`. The step's
    :class:`~maskplug.ScheduledLayout` is built from the scheduled drafts and
    the maskplug scheduler picks the budget from a :class:`~maskplug.StepView`
-   (cost model, draft masks; n-gram drafting has no confidence head, so
-   schedulers such as ``goodput`` learn from outcomes; no logits-row limit;
-   every scheduled request counts as emitting a token at budget 0, a prefill
-   chunk that does not finish its prompt included). The budget is split
-   per request with :func:`maskplug.allocate_step` and the step is compacted:
-   the runner gets a copy of the scheduler output that schedules only the
-   kept drafts, so input ids, positions, attention and spec-decode metadata
-   and rejection sampling agree with each other.
-3. The grammar rows are applied through the mapping built from the
-   **scheduled** layout with the **active** row offsets
-   (:func:`maskplug_vllm.worker.apply_scatter`), so the rows of trimmed
-   drafts write nothing.
-4. After sampling, the outcome (drafts verified and accepted per request id,
-   finished requests) goes to the scheduler's ``observe``, the counters of
-   :func:`step_stats` move and the ``maskplug_step_end`` hook fires once.
+   (cost model, draft masks, and the drafter's confidences as recorded two
+   steps earlier when the drafter has them; no logits-row limit; every
+   scheduled request counts as emitting a token at budget 0). The budget is
+   split per request with :func:`maskplug.allocate_step` (on the live
+   confidences where there are some) and the compacted step is attached to
+   vLLM's scheduler output as plain data (:data:`VERIFY_STEP_ATTR`), which
+   vLLM serialises to every worker with the rest of the output.
+2. **Workers.** Before the model runner builds its inputs it swaps in a copy
+   of the scheduler output holding only the kept drafts
+   (:func:`compacted_output`), so input ids, positions, attention and
+   spec-decode metadata and rejection sampling agree with each other. The
+   grammar rows, which reach the workers as vLLM's own grammar output does,
+   are applied through the mapping built from the **scheduled** layout with
+   the **active** row offsets (:func:`maskplug_vllm.worker.apply_scatter`), so
+   the rows of trimmed drafts write nothing. A model drafter records its
+   probability of each proposed token and returns it with the draft ids
+   (:mod:`maskplug_vllm.confidences`).
+3. **Engine core, the outcome.** When the sampled tokens come back, the
+   outcome (drafts verified and accepted per request id, finished requests)
+   goes to the scheduler's ``observe``, the counters of :func:`step_stats`
+   and the ``maskplug_*`` Prometheus series move (:mod:`maskplug_vllm.metrics`)
+   and the ``maskplug_step_end`` hook fires once.
 
 vLLM's own scheduler keeps the scheduler output it made, so trimmed drafts
 count as rejected drafts there: computed tokens and KV blocks roll back
@@ -35,20 +42,26 @@ maskplug scheduler's own, which is told about finished requests.
 
 The attributes replaced (besides those of :mod:`maskplug_vllm.patches`):
 
-=====================================================  =================================================
-attribute                                              what it does in addition
-=====================================================  =================================================
-``vllm.v1.core.sched.scheduler.Scheduler.schedule``    produces the step's rows and draft masks at once
-``Scheduler.get_grammar_bitmask``                      hands back those rows
-``GPUModelRunner.execute_model`` (CPU runner's too)    plans and compacts the step before the inputs
-``GPUModelRunner.sample_tokens``                       reports the outcome, counts, fires the hook
-=====================================================  =================================================
+==========================================================  ============================================
+attribute                                                   what it does in addition
+==========================================================  ============================================
+``vllm.v1.core.sched.scheduler.Scheduler.schedule``         rows, draft masks, budget and compacted step
+``Scheduler.get_grammar_bitmask``                           hands back those rows
+``Scheduler.update_from_output``                            reports the outcome, counts, fires the hook
+``Scheduler.update_draft_token_ids``                        keeps the drafter's confidences
+``GPUModelRunner.execute_model`` (CPU runner's too)         runs the compacted step
+``GPUModelRunner.take_draft_token_ids``                     returns the drafter's confidences too
+``SpecDecodeBaseProposer.propose`` / ``._greedy_sample``    record the draft model's probabilities
+``vllm.engine.arg_utils.EngineArgs.create_engine_config``   refuses what cannot work (:func:`check_config`)
+==========================================================  ============================================
 
-The scheduler and the model runner must share a process: vLLM's in-process
-engine core with one worker (``UniProcExecutor``, the CPU build's default),
-with or without ``VLLM_ENABLE_V1_MULTIPROCESSING`` (the counters live in the
-engine-core process). Asynchronous scheduling, pipeline or tensor
-parallelism are refused. Only vLLM 0.32.0 is supported.
+Executors: vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+and its engine-core process (``LLM(...)``'s default, the OpenAI server),
+``UniProcExecutor`` and ``MultiprocExecutor``, tensor parallelism.
+Refused when the engine config is created, in the process the user started
+(:func:`check_config`): no speculative decoding, asynchronous scheduling,
+pipeline parallelism, and a scheduler that needs confidences (``dspark``)
+with a drafter that has none. Only vLLM 0.32.0 is supported.
 
 Cost model: ``MASKPLUG_VLLM_COST=<path>`` names a JSON file (see
 :func:`load_cost_model`, written by ``python -m maskplug_vllm.calibrate``);
@@ -85,17 +98,23 @@ from maskplug import (
     get_scheduler,
 )
 
-from . import patches
+from . import confidences, metrics, patches
+from .confidences import CONFIDENCES_ATTR, DraftConfidences
 from .host import draft_counts
+from .metrics import StepMetrics
 from .scheduler import DRAFT_MASKS_ATTR
 from .worker import SCHEDULED_SPEC_ATTR
 
 __all__ = [
     "ADAPTIVE_VLLM_VERSIONS",
+    "CONFIDENCE_METHODS",
     "COST_ENV",
     "SCHEDULED_SPEC_ATTR",
     "SCHEDULER_ENV",
+    "VERIFY_STEP_ATTR",
     "adaptive_installed",
+    "check_config",
+    "compacted_output",
     "current_scheduler",
     "default_cost_model",
     "install_adaptive",
@@ -117,7 +136,15 @@ ADAPTIVE_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
 """vLLM releases whose scheduler and model runner the adaptive patches were written against and tested with."""
 
 
-_GRAMMAR_ATTR = "maskplug_grammar_output"
+VERIFY_STEP_ATTR = "maskplug_verify_step"
+"""Attribute of a scheduler output whose drafts maskplug's budget trimmed: the compacted step, as plain data.
+
+A dict with ``budget``, ``num_scheduled_tokens``, ``total_num_scheduled_tokens``
+and ``scheduled_spec_decode_tokens`` (the kept drafts), decided once in the
+engine core and serialised with the scheduler output to every worker and rank
+(see :func:`compacted_output`). Absent when the step verifies every draft.
+"""
+
 _DRAFT_MASKS_ON_OUTPUT = "maskplug_draft_masks"
 
 #: The fallback cost model's parameters (milliseconds): a fixed cost per forward pass plus a
@@ -226,7 +253,7 @@ def make_scheduler(name: str) -> Scheduler:
 
 @dataclasses.dataclass
 class _Plan:
-    """One step as planned before the forward pass."""
+    """One step as planned in the engine core, before the forward pass."""
 
     layout: ScheduledLayout
     budget: int
@@ -249,39 +276,84 @@ def _new_stats() -> dict[str, Any]:
     }
 
 
+def _verify_step(so: Any, layout: ScheduledLayout, capacity: npt.NDArray[np.int64], comp: Any) -> dict[str, Any]:
+    """The compacted step as plain data: what :data:`VERIFY_STEP_ATTR` carries to every worker."""
+    ids = layout.req_ids.tolist()
+    spec: Mapping[str, list[int]] = so.scheduled_spec_decode_tokens
+    return {
+        "budget": int(capacity.sum()),
+        "num_scheduled_tokens": {r: int(t) for r, t in zip(ids, comp.num_tokens_per_req.tolist(), strict=True)},
+        "total_num_scheduled_tokens": int(comp.num_tokens),
+        "scheduled_spec_decode_tokens": {
+            r: list(spec[r][:c]) for r, c in zip(ids, capacity.tolist(), strict=True) if c > 0
+        },
+    }
+
+
+def compacted_output(scheduler_output: Any) -> Any:
+    """The scheduler output a model runner runs: the compacted copy when the engine core trimmed the step.
+
+    Workers decide nothing: the engine core attached the kept drafts and token
+    counts (:data:`VERIFY_STEP_ATTR`, plain data that vLLM serialises with the
+    rest of the scheduler output, identical on every rank). The copy carries
+    the drafts as scheduled (:data:`~maskplug_vllm.worker.SCHEDULED_SPEC_ATTR`)
+    for the mask apply; vLLM's object is never changed (under the in-process
+    executor the engine core reads it again). Without the attribute the
+    output itself is returned.
+    """
+    step = getattr(scheduler_output, VERIFY_STEP_ATTR, None)
+    if step is None:
+        return scheduler_output
+    trimmed = dataclasses.replace(
+        scheduler_output,
+        num_scheduled_tokens=step["num_scheduled_tokens"],
+        total_num_scheduled_tokens=step["total_num_scheduled_tokens"],
+        scheduled_spec_decode_tokens=step["scheduled_spec_decode_tokens"],
+    )
+    # dataclasses.replace copies fields only: the step data itself stays behind on vLLM's object.
+    setattr(trimmed, SCHEDULED_SPEC_ATTR, scheduler_output.scheduled_spec_decode_tokens)
+    return trimmed
+
+
 class _Controller:
-    """The process-wide state of adaptive verification: the scheduler, the cost model, the counters."""
+    """The engine core's state of adaptive verification: the scheduler, the cost model, the counters.
+
+    It lives in the process that schedules (vLLM's engine core); the model
+    runners only apply what it decided (:func:`compacted_output`).
+    """
 
     def __init__(self, scheduler: Scheduler, name: str, cost: CostModel) -> None:
         self.scheduler = scheduler
         self.name = name
         self.cost = cost
         self.stats = _new_stats()
-        self.pending: _Plan | None = None
+        self.confidences = DraftConfidences()
+        self.metrics: StepMetrics | None = None
         self.lock = threading.Lock()
-        self.checked = False
 
-    # Step 2: before the runner builds its inputs.
-    def plan(self, runner: Any, so: Any) -> tuple[Any, _Plan]:
-        if not self.checked:
-            _check_runner(runner)
-            self.checked = True
+    # Step 1, in the engine core: right after vLLM scheduled the step.
+    def plan(self, so: Any, grammar_output: Any = None) -> _Plan:
+        """Choose the step's budget and split; attach the compacted step to ``so`` when drafts are trimmed.
+
+        ``so`` keeps every field vLLM gave it (its scheduler reads them again
+        in ``update_from_output``); only :data:`VERIFY_STEP_ATTR` is added.
+        """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, list[int]] = so.scheduled_spec_decode_tokens
         ids = list(nst)
         nd = draft_counts(ids, spec)
         nn = np.fromiter(nst.values(), dtype=np.int64, count=len(ids)) - nd
         layout = ScheduledLayout(ids, nd, nn)
-        grammar_output = getattr(so, _GRAMMAR_ATTR, None)
         gids: list[str] = list(grammar_output.structured_output_request_ids) if grammar_output is not None else []
         dm = _draft_masks_for(layout, grammar_output)
         finished = list(so.finished_req_ids)
+        self.confidences.forget(finished)
         total = layout.total_drafts
         structured = bool(gids) and bool(np.any(nd[layout.indices_of(gids)] > 0))
         if total == 0:
-            plan = _Plan(layout, 0, np.zeros(layout.n, dtype=np.int64), "full", False, len(gids), finished)
-            return so, plan
-        view = StepView(layout, self.cost, grammar=dm)
+            return _Plan(layout, 0, np.zeros(layout.n, dtype=np.int64), "full", False, len(gids), finished)
+        stale, live = self.confidences.for_step(ids, spec)
+        view = StepView(layout, self.cost, grammar=dm, confidences=stale)
         decision = self.scheduler.budget(view)
         b = decision.budget
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= int(b) <= view.cap:
@@ -290,32 +362,28 @@ class _Controller:
         if b == total:
             # Nothing trimmed: every request keeps all its drafts (the only split that sums to the
             # total), and vLLM's own scheduler output runs unchanged.
-            plan = _Plan(layout, b, nd.copy(), "full", structured, len(gids), finished)
-            return so, plan
-        capacity = self._split(view, b)
+            return _Plan(layout, b, nd.copy(), "full", structured, len(gids), finished)
+        capacity = self._split(view, b, live)
         comp = compact(layout, b, capacity)
-        plan = _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
-        kept = {r: list(spec[r][:c]) for r, c in zip(ids, capacity.tolist(), strict=True) if c > 0}
-        num_tokens = {r: int(t) for r, t in zip(ids, comp.num_tokens_per_req.tolist(), strict=True)}
-        trimmed = dataclasses.replace(
-            so,
-            num_scheduled_tokens=num_tokens,
-            total_num_scheduled_tokens=comp.num_tokens,
-            scheduled_spec_decode_tokens=kept,
-        )
-        setattr(trimmed, SCHEDULED_SPEC_ATTR, spec)
-        return trimmed, plan
+        setattr(so, VERIFY_STEP_ATTR, _verify_step(so, layout, capacity, comp))
+        return _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
 
-    def _split(self, view: StepView, budget: int) -> npt.NDArray[np.int64]:
-        """Per-request capacities for ``budget``: the scheduler's beliefs where it has them, else by position."""
+    def _split(self, view: StepView, budget: int, live: npt.NDArray[np.float64] | None) -> npt.NDArray[np.int64]:
+        """Per-request capacities for ``budget``.
+
+        The drafter's live confidences where it has them (the budget read the
+        stale ones, as on an engine that cannot wait for them), else the
+        scheduler's beliefs, else by position.
+        """
         lay = view.layout
         if budget == 0:
             return np.zeros(lay.n, dtype=np.int64)  # the only split of nothing
         k = int(lay.num_drafts.max())
-        beliefs = None
-        fn = getattr(self.scheduler, "beliefs", None)
-        if fn is not None:
-            beliefs = fn(view)
+        beliefs = live
+        if beliefs is None:
+            fn = getattr(self.scheduler, "beliefs", None)
+            if fn is not None:
+                beliefs = fn(view)
         if beliefs is None:
             # No per-position estimates: every draft equally likely, so drafts go out by
             # position (first drafts of every request first), then by batch order.
@@ -327,6 +395,7 @@ class _Controller:
     def forget(self, finished: Any) -> None:
         """Tell the scheduler about finished requests on a step that runs nothing."""
         if finished:
+            self.confidences.forget(finished)
             empty = np.zeros(0, dtype=np.int64)
             self.scheduler.observe(
                 StepOutcome(
@@ -337,7 +406,7 @@ class _Controller:
                 )
             )
 
-    # Step 4: after sampling.
+    # Step 3, in the engine core: the sampled tokens came back from the workers.
     def finish(self, plan: _Plan, output: Any) -> None:
         sampled = getattr(output, "sampled_token_ids", None) or []
         index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
@@ -361,6 +430,7 @@ class _Controller:
         )
         self.scheduler.observe(outcome)
         num_accepted = int(accepted.sum())
+        num_emitted = int(emitted.sum())
         with self.lock:
             st = self.stats
             step = st["steps"]
@@ -368,10 +438,12 @@ class _Controller:
             st["drafts_scheduled"] += lay.total_drafts
             st["drafts_verified"] += plan.budget
             st["drafts_accepted"] += num_accepted
-            st["tokens_emitted"] += int(emitted.sum())
+            st["tokens_emitted"] += num_emitted
             if plan.structured:
                 st["structured_steps"] += 1
                 st["regimes"][plan.regime] += 1
+            if self.metrics is not None:
+                self.metrics.publish(st, plan.budget)
         get_registry().step_end(
             {
                 "step": step,
@@ -383,7 +455,7 @@ class _Controller:
                 "regime": plan.regime,
                 "structured": plan.structured,
                 "accepted": num_accepted,
-                "emitted": int(emitted.sum()),
+                "emitted": num_emitted,
                 "finished": len(plan.finished),
             }
         )
@@ -405,34 +477,42 @@ def _draft_masks_for(layout: ScheduledLayout, grammar_output: Any) -> DraftMasks
     )
 
 
-def _check_runner(runner: Any) -> None:
-    if getattr(runner, "use_async_scheduling", False):
-        raise PluginError(
-            f"{SCHEDULER_ENV}: maskplug's adaptive verification needs synchronous scheduling, got async "
-            "scheduling; start the engine with async_scheduling=False or unset the variable"
-        )
-    world = getattr(getattr(runner, "parallel_config", None), "world_size", 1)
-    if world != 1:
-        raise PluginError(
-            f"{SCHEDULER_ENV}: maskplug's adaptive verification runs the scheduler and the model runner in one "
-            f"process, got a parallel world of {world} workers; unset the variable"
-        )
-
-
 _controller: _Controller | None = None
 _install_lock = threading.Lock()
 
 
 # -- the patches ----------------------------------------------------------------------------------
 
+#: Planned steps awaiting their outcome, per scheduler: ``id(scheduler_output)`` → the output (kept
+#: alive so the id stays its own), its grammar output (``get_grammar_bitmask`` hands it back) and the plan.
+_STEPS_ATTR = "_maskplug_steps"
+
+
+_MAX_PENDING = 16
+
+
+def _open_metrics(sched: Any, name: str) -> StepMetrics:
+    par = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
+    engine = int(getattr(par, "data_parallel_rank", 0) or 0)
+    return StepMetrics(metrics.ensure_metrics_dir(), engine, name)
+
+
+def _pending(sched: Any) -> dict[int, tuple[Any, Any, _Plan | None]]:
+    steps = getattr(sched, _STEPS_ATTR, None)
+    if steps is None:
+        steps = {}
+        setattr(sched, _STEPS_ATTR, steps)
+    return steps
+
 
 def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = orig(self, *args, **kwargs)
-        if _controller is None:
+        ctl = _controller
+        if ctl is None:
             return so
         # The rows for every scheduled draft, produced now (vLLM would produce the same rows while
-        # the model runs): the model runner needs the step's draft masks before it builds its inputs.
+        # the model runs): the budget needs the step's draft masks before the step is sent.
         manager = self.structured_output_manager
         setattr(manager, DRAFT_MASKS_ATTR, None)
         grammar_output = orig_grammar(self, so)
@@ -442,7 +522,23 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
             gids, dm = produced
             if list(gids) == list(grammar_output.structured_output_request_ids):
                 setattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT, dm)
-        setattr(so, _GRAMMAR_ATTR, grammar_output)
+        if ctl.metrics is None:
+            ctl.metrics = _open_metrics(self, ctl.name)
+        plan = None
+        if so.total_num_scheduled_tokens > 0:
+            plan = ctl.plan(so, grammar_output)
+        else:
+            # vLLM's last step of a batch may only announce finished requests: pass them on.
+            ctl.forget(so.finished_req_ids)
+        if grammar_output is not None and hasattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT):
+            # The draft masks stay in this process: workers get vLLM's own grammar output.
+            delattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT)
+        pending = _pending(self)
+        if len(pending) >= _MAX_PENDING:
+            # Outcomes come back in order, a step or two later (more only if vLLM dropped one): the oldest go.
+            for key in list(pending)[: len(pending) - _MAX_PENDING + 1]:
+                del pending[key]
+        pending[id(so)] = (so, grammar_output, plan)
         return so
 
     schedule.__doc__ = orig.__doc__
@@ -452,8 +548,9 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
 
 def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
     def get_grammar_bitmask(self: Any, scheduler_output: Any) -> Any:
-        if hasattr(scheduler_output, _GRAMMAR_ATTR):
-            return getattr(scheduler_output, _GRAMMAR_ATTR)
+        entry = _pending(self).get(id(scheduler_output))
+        if entry is not None and entry[0] is scheduler_output:
+            return entry[1]
         return orig(self, scheduler_output)
 
     get_grammar_bitmask.__doc__ = orig.__doc__
@@ -461,41 +558,39 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
     return get_grammar_bitmask
 
 
+def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        entry = _pending(self).pop(id(scheduler_output), None)
+        ctl = _controller
+        if ctl is not None and entry is not None and entry[0] is scheduler_output and entry[2] is not None:
+            ctl.finish(entry[2], model_runner_output)
+        return orig(self, scheduler_output, model_runner_output)
+
+    update_from_output.__doc__ = orig.__doc__
+    update_from_output.__wrapped__ = orig  # type: ignore[attr-defined]
+    return update_from_output
+
+
+def _make_update_draft_token_ids(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def update_draft_token_ids(self: Any, draft_token_ids: Any) -> Any:
+        ctl = _controller
+        conf = getattr(draft_token_ids, CONFIDENCES_ATTR, None)
+        if ctl is not None and conf is not None:
+            ctl.confidences.record(list(draft_token_ids.req_ids), conf)
+        return orig(self, draft_token_ids)
+
+    update_draft_token_ids.__doc__ = orig.__doc__
+    update_draft_token_ids.__wrapped__ = orig  # type: ignore[attr-defined]
+    return update_draft_token_ids
+
+
 def _make_execute_model(orig: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        ctl = _controller
-        if ctl is None:
-            return orig(self, scheduler_output, intermediate_tensors)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            # vLLM's last step of a batch may only announce finished requests: pass them on.
-            ctl.forget(scheduler_output.finished_req_ids)
-            return orig(self, scheduler_output, intermediate_tensors)
-        ctl.pending = None
-        run_output, plan = ctl.plan(self, scheduler_output)
-        result = orig(self, run_output, intermediate_tensors)
-        if result is None:
-            ctl.pending = plan  # sampled by sample_tokens
-        elif hasattr(result, "sampled_token_ids"):
-            ctl.finish(plan, result)
-        return result
+        return orig(self, compacted_output(scheduler_output), intermediate_tensors)
 
     execute_model.__doc__ = orig.__doc__
     execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
     return execute_model
-
-
-def _make_sample_tokens(orig: Callable[..., Any]) -> Callable[..., Any]:
-    def sample_tokens(self: Any, grammar_output: Any) -> Any:
-        result = orig(self, grammar_output)
-        ctl = _controller
-        if ctl is not None and ctl.pending is not None:
-            plan, ctl.pending = ctl.pending, None
-            ctl.finish(plan, result)
-        return result
-
-    sample_tokens.__doc__ = orig.__doc__
-    sample_tokens.__wrapped__ = orig  # type: ignore[attr-defined]
-    return sample_tokens
 
 
 def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel | None = None) -> None:
@@ -529,13 +624,42 @@ def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel |
     with _install_lock:
         sched_mod = importlib.import_module("vllm.v1.core.sched.scheduler")
         runner_mod = importlib.import_module("vllm.v1.worker.gpu_model_runner")
+        proposer_mod = importlib.import_module("vllm.v1.spec_decode.llm_base_proposer")
+        args_mod = importlib.import_module("vllm.engine.arg_utils")
         cls = sched_mod.Scheduler
         runner = runner_mod.GPUModelRunner
+        proposer = proposer_mod.SpecDecodeBaseProposer
         orig_grammar = patches.original(cls, "get_grammar_bitmask")
+        # The engine core: decide (schedule), hand back the rows, learn the outcome, take confidences.
         patches._replace(cls, "schedule", _make_schedule(patches.original(cls, "schedule"), orig_grammar))
         patches._replace(cls, "get_grammar_bitmask", _make_get_grammar_bitmask(orig_grammar))
+        patches._replace(
+            cls, "update_from_output", _make_update_from_output(patches.original(cls, "update_from_output"))
+        )
+        patches._replace(
+            cls,
+            "update_draft_token_ids",
+            _make_update_draft_token_ids(patches.original(cls, "update_draft_token_ids")),
+        )
+        # The workers: apply the compacted step; a model drafter records its confidences.
         patches._replace(runner, "execute_model", _make_execute_model(patches.original(runner, "execute_model")))
-        patches._replace(runner, "sample_tokens", _make_sample_tokens(patches.original(runner, "sample_tokens")))
+        patches._replace(
+            runner,
+            "take_draft_token_ids",
+            confidences.make_take_draft_token_ids(patches.original(runner, "take_draft_token_ids")),
+        )
+        patches._replace(proposer, "propose", confidences.make_propose(patches.original(proposer, "propose")))
+        patches._replace(
+            proposer, "_greedy_sample", confidences.make_greedy_sample(patches.original(proposer, "_greedy_sample"))
+        )
+        # The process the user started: refuse what cannot work before any engine process starts.
+        patches._replace(
+            args_mod.EngineArgs,
+            "create_engine_config",
+            _make_create_engine_config(patches.original(args_mod.EngineArgs, "create_engine_config")),
+        )
+        metrics.ensure_metrics_dir()
+        metrics.register_collector()
         if _controller is None:
             assert scheduler is not None
             sched, name = _resolve(scheduler)
@@ -545,6 +669,81 @@ def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel |
         set_scheduler(scheduler)
     if cost is not None:
         set_cost_model(cost)
+
+
+# -- start-up checks ------------------------------------------------------------------------------
+
+#: Speculative methods whose drafter hands maskplug its confidences (see :mod:`maskplug_vllm.confidences`).
+CONFIDENCE_METHODS = ("draft_model",)
+
+
+def _needs_confidences(scheduler: Scheduler) -> bool:
+    """Whether ``scheduler`` refuses a step without the drafter's confidences (probed on a one-draft step)."""
+    view = StepView(ScheduledLayout(["probe"], [1], [1]), default_cost_model())
+    try:
+        scheduler.budget(view)
+    except BudgetError as exc:
+        return "confidences" in str(exc)
+    return False
+
+
+def check_config(vllm_config: Any, scheduler: str | None = None) -> None:
+    """Refuse, with a :class:`~maskplug.PluginError` naming the setting, an engine config adaptive verification cannot serve.
+
+    Called where the engine config is created (``EngineArgs.create_engine_config``),
+    so the refusal reaches the process the user started, before any engine
+    process exists. ``scheduler`` defaults to the running one's name.
+
+    Refused: no speculative decoding (nothing to budget), asynchronous
+    scheduling (the drafts of a step are not known when it is scheduled),
+    pipeline parallelism (steps overlap in vLLM's batch queue), and a
+    scheduler that needs confidences with a drafter that has none.
+    """
+    name = scheduler if scheduler is not None else (_controller.name if _controller is not None else "")
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not getattr(spec, "num_speculative_tokens", 0):
+        raise PluginError(
+            f"{SCHEDULER_ENV}={name}: maskplug's adaptive verification chooses how many drafts to verify, got an "
+            "engine without speculative decoding; pass --speculative-config (e.g. "
+            '\'{"method": "ngram", "num_speculative_tokens": 3}\') or unset ' + SCHEDULER_ENV
+        )
+    sched_cfg = getattr(vllm_config, "scheduler_config", None)
+    if getattr(sched_cfg, "async_scheduling", False):
+        raise PluginError(
+            f"{SCHEDULER_ENV}={name}: maskplug's adaptive verification needs synchronous scheduling (the budget "
+            "is chosen from the drafts a step schedules), got async_scheduling=True; start the engine with "
+            f"--no-async-scheduling (async_scheduling=False) or unset {SCHEDULER_ENV}"
+        )
+    par = getattr(vllm_config, "parallel_config", None)
+    pp = int(getattr(par, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise PluginError(
+            f"{SCHEDULER_ENV}={name}: maskplug's adaptive verification supports tensor parallelism but not "
+            f"pipeline parallelism, got pipeline_parallel_size={pp}; use --tensor-parallel-size for several "
+            f"devices, or unset {SCHEDULER_ENV}"
+        )
+    method = str(getattr(spec, "method", ""))
+    sched = _controller.scheduler if scheduler is None and _controller is not None else None
+    if sched is None and name:
+        sched = make_scheduler(name)
+    if sched is not None and method not in CONFIDENCE_METHODS and _needs_confidences(sched):
+        raise PluginError(
+            f"{SCHEDULER_ENV}={name}: this scheduler reads the drafter's confidences, got the {method!r} drafter, "
+            f"which has none; use a drafter with confidences ({', '.join(CONFIDENCE_METHODS)}) or a scheduler "
+            "that learns from outcomes (goodput, grammar-aware:goodput)"
+        )
+
+
+def _make_create_engine_config(orig: Callable[..., Any]) -> Callable[..., Any]:
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = orig(self, *args, **kwargs)
+        if _controller is not None:
+            check_config(config)
+        return config
+
+    create_engine_config.__doc__ = orig.__doc__
+    create_engine_config.__wrapped__ = orig  # type: ignore[attr-defined]
+    return create_engine_config
 
 
 def adaptive_installed() -> bool:
@@ -575,6 +774,8 @@ def set_scheduler(scheduler: str | Scheduler) -> None:
     sched, name = _resolve(scheduler)
     with ctl.lock:
         ctl.scheduler, ctl.name = sched, name
+        if ctl.metrics is not None:
+            ctl.metrics.set_scheduler(name)
 
 
 def set_cost_model(cost: CostModel) -> None:

