@@ -1,4 +1,4 @@
-"""The outlines-core provider: regex and JSON-schema grammars as token automata.
+r"""The outlines-core provider: regex and JSON-schema grammars as token automata.
 
 outlines-core compiles a regular expression into an ``Index``, a deterministic
 automaton over token ids, built eagerly for the whole vocabulary (from
@@ -22,6 +22,27 @@ What this module normalises, so callers see maskplug's matcher semantics:
   ``ceil(vocab_size / 32)``-word row, so every id below ``vocab_size`` fits.
 * **Special tokens** (and empty or padding tokens) are left out of the
   engine's vocabulary, so they are never allowed.
+* **Continuations after a complete match.** outlines-core 0.2.14 builds its
+  ``Index`` from a regex-automata DFA whose match states are entered one byte
+  *after* a match ends, and keeps a token only when its end state is not
+  such a match state or is a full match at the end of input. So from a state
+  where the text is already complete, a token leading to an unfinished
+  continuation is dropped: a top-level ``{"type": "number"}`` refused ``1.``
+  of ``1.7`` and ``(0|[1-9][0-9]*)(\.[0-9]+)?`` refused ``12.25``, while
+  inside an object (nothing complete yet) the same number worked. The DFA's
+  leftmost-first matching also ends ``a|ab`` at ``a``. Both come from the
+  regex being matchable at a proper prefix, so maskplug compiles ``(?:R)X``
+  with a sentinel character ``X`` (:data:`SENTINEL`, U+10FFFF) that no text
+  token can spell (tokens holding its lead byte ``F4``, which only starts
+  characters of plane 16, a private-use plane, are left out of the engine's
+  vocabulary) and a sentinel token carrying the first stop id: no text token
+  then ever ends in a match state, and the text is complete exactly where
+  the sentinel token leads to a final state. Rows are normalised: the stop
+  ids are allowed exactly there, and the sentinel's bit (the first stop id,
+  where ``X`` is only a character ``R`` could read) is cleared elsewhere.
+  Regexes with ``^``/``$``/``\A``/``\z`` anywhere but a leading ``^`` or a
+  trailing ``$`` (both no-ops under a whole-text match), or with the
+  verbose flag ``x``, are compiled as they are (:func:`sentinel_pattern`).
 
 Mask rows are cached per automaton state (:class:`MaskCache`): a row depends
 on the state alone, and a grammar's walks revisit the same states all the
@@ -55,6 +76,7 @@ built in a worker process killed at the limit and comes back pickled
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,6 +123,59 @@ DEFAULT_MASK_CACHE_BYTES = 32 << 20
 
 # Characters with a meaning in outlines-core's (Rust regex-syntax) patterns.
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~ ")
+
+#: The character appended to a regex so that it only matches whole (see the module notes): U+10FFFF.
+SENTINEL = "\U0010ffff"
+SENTINEL_BYTES = SENTINEL.encode("utf-8")
+# The lead byte of every character from U+100000 on: tokens holding it could spell the sentinel.
+_SENTINEL_LEAD = SENTINEL_BYTES[:1]
+_VERBOSE_FLAG = re.compile(r"\(\?[A-Za-z-]*x")
+
+
+def sentinel_pattern(regex: str) -> str | None:
+    """``(?:regex)`` followed by :data:`SENTINEL`, or None where that would change the language.
+
+    A leading ``^`` and a trailing ``$`` are dropped (outlines-core matches the
+    whole text, so they assert nothing); any other ``^``, ``$``, ``\\A`` or
+    ``\\z`` would see the sentinel after it, and the verbose flag ``x`` could
+    make a ``#`` comment swallow the closing parenthesis: those regexes are
+    compiled as they are (None).
+    """
+    if _VERBOSE_FLAG.search(regex):
+        return None
+    anchors: list[int] = []
+    depth = 0  # character class nesting
+    i, n = 0, len(regex)
+    while i < n:
+        ch = regex[i]
+        if ch == "\\":
+            if i + 1 < n and depth == 0 and regex[i + 1] in "Az":
+                return None
+            i += 2
+            continue
+        if depth:
+            if ch == "[":
+                depth += 1
+            elif ch == "]":
+                depth -= 1
+        elif ch == "[":
+            depth = 1
+            # A ']' right after '[' or '[^' is a literal member.
+            j = i + 1
+            if j < n and regex[j] == "^":
+                j += 1
+            if j < n and regex[j] == "]":
+                j += 1
+            i = j
+            continue
+        elif ch in "^$":
+            anchors.append(i)
+        i += 1
+    start = 1 if anchors and anchors[0] == 0 and regex[0] == "^" else 0
+    end = n - 1 if anchors and anchors[-1] == n - 1 and regex[-1] == "$" and n - 1 >= start else n
+    if any(start <= a < end for a in anchors):
+        return None
+    return "(?:" + regex[start:end] + r")\x{10FFFF}"
 
 
 # Ids whose bytes may appear in grammar text (the SDK's text_ids, under its earlier name here).
@@ -203,6 +278,9 @@ class OutlinesGrammar:
         self.spec = spec
         self.regex = regex
         self.index = index
+        #: Whether the index was built from :func:`sentinel_pattern` (see the module notes).
+        self.sentinel = sentinel_pattern(regex) is not None
+        self._sentinel_id = provider.vocab.eos_ids[0]
         #: Schema keywords outlines-core does not enforce (``unsupported="ignore"``).
         self.warnings: list[str] = list(warnings)
         words = provider.vocab.mask_words
@@ -211,6 +289,13 @@ class OutlinesGrammar:
     def matcher(self) -> OutlinesMatcher:
         """A fresh matcher at the start of the grammar."""
         return OutlinesMatcher(self)
+
+    def is_complete(self, state: int) -> bool:
+        """Whether the text that led to automaton ``state`` is a whole match of the regex."""
+        if not self.sentinel:
+            return bool(self.index.is_final_state(state))
+        after = self.index.get_next_state(state, self._sentinel_id)
+        return after is not None and bool(self.index.is_final_state(after))
 
 
 class OutlinesMatcher(MatcherBase):
@@ -228,6 +313,7 @@ class OutlinesMatcher(MatcherBase):
         self._guide = Guide(grammar.index, max_rollback=_MAX_ROLLBACK)
         self._tokens: list[int] = []
         self._extra_stops = grammar.provider._extra_stop_row
+        self._stops = grammar.provider._stop_row
 
     # -- engine primitives --------------------------------------------------------
     def _accept(self, token: int) -> bool:
@@ -260,7 +346,17 @@ class OutlinesMatcher(MatcherBase):
         # The full row width, never the engine's entry count: ids up to
         # vocab_size - 1 must all fit.
         self._guide.write_mask_into(out.ctypes.data, words, 4)
-        if self._extra_stops is not None and self._guide.is_finished():
+        grammar = self.grammar
+        if grammar.sentinel:
+            # The sentinel token carries the first stop id: allowed where it
+            # completes the match, cleared where X would only be read as a character.
+            sid = grammar._sentinel_id
+            if grammar.is_complete(self._guide.get_state()):
+                np.bitwise_or(out, self._stops, out=out)
+            else:
+                words_u = out.view(np.uint32)
+                words_u[sid >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (sid & 31)))
+        elif self._extra_stops is not None and self._guide.is_finished():
             np.bitwise_or(out, self._extra_stops.numpy(), out=out)
 
     def _fill(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -274,7 +370,7 @@ class OutlinesMatcher(MatcherBase):
         return restricts
 
     def _is_complete(self) -> bool:
-        return bool(self._guide.is_finished())
+        return self.grammar.is_complete(self._guide.get_state())
 
     def _accepted_count(self) -> int:
         return len(self._tokens)
@@ -388,7 +484,7 @@ class OutlinesBatchOps(ChainOpsBase[OutlinesMatcher]):
             for t in d:
                 if t in special or t >= n_tokens:
                     # The stop token is never given to the engine (see the module notes).
-                    stopped = t in eos and bool(m._index.is_final_state(state))
+                    stopped = t in eos and m.grammar.is_complete(state)
                     break
                 state = step(state, t)
                 if state is None:
@@ -464,20 +560,41 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
         self.mask_cache_bytes = mask_cache_bytes
         self.batch_ops = OutlinesBatchOps(vocab)
         self._engine_vocab: Vocabulary | None = None
+        self._raw_vocab: Vocabulary | None = None
         self._vocab_lock = threading.Lock()
+        self._stop_row: npt.NDArray[np.int32] = stop_row(vocab).numpy().copy()
         # outlines-core sets the bit of its single EOS id in final states;
         # the other stop ids are or-ed in from this row.
         self._extra_stop_row: torch.Tensor | None = stop_row(vocab) if len(vocab.eos_ids) > 1 else None
 
     def engine_vocabulary(self) -> Vocabulary:
-        """The outlines-core ``Vocabulary`` (built once): grammar-text tokens only, first stop id as EOS."""
+        """The outlines-core ``Vocabulary`` for sentinel patterns (built once; see the module notes).
+
+        Grammar-text tokens without the sentinel's lead byte, plus the
+        sentinel token :data:`SENTINEL_BYTES` under the first stop id; the
+        engine's own EOS is ``vocab_size``, an id no state reached by text
+        ever allows.
+        """
         with self._vocab_lock:
             if self._engine_vocab is None:
                 by_bytes: dict[bytes, list[int]] = {}
                 for i in grammar_text_ids(self.vocab):
-                    by_bytes.setdefault(self.vocab.tokens[i], []).append(i)
-                self._engine_vocab = Vocabulary(self.vocab.eos_ids[0], by_bytes)
+                    tok = self.vocab.tokens[i]
+                    if _SENTINEL_LEAD not in tok:
+                        by_bytes.setdefault(tok, []).append(i)
+                by_bytes[SENTINEL_BYTES] = [self.vocab.eos_ids[0]]
+                self._engine_vocab = Vocabulary(self.vocab.vocab_size, by_bytes)
             return self._engine_vocab
+
+    def raw_vocabulary(self) -> Vocabulary:
+        """The outlines-core ``Vocabulary`` for regexes compiled as they are: grammar-text tokens, first stop id as EOS."""
+        with self._vocab_lock:
+            if self._raw_vocab is None:
+                by_bytes: dict[bytes, list[int]] = {}
+                for i in grammar_text_ids(self.vocab):
+                    by_bytes.setdefault(self.vocab.tokens[i], []).append(i)
+                self._raw_vocab = Vocabulary(self.vocab.eos_ids[0], by_bytes)
+            return self._raw_vocab
 
     def regex_for(self, spec: GrammarSpec) -> str:
         """The regular expression outlines-core compiles for ``spec``."""
@@ -520,8 +637,12 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
         """The regex, the token index and the unenforced keywords for ``spec`` (the whole compile)."""
         warns = self.check_options(spec)
         regex = self.regex_for(spec)
+        pattern = sentinel_pattern(regex)
         try:
-            index = Index(regex, self.engine_vocabulary())
+            if pattern is None:
+                index = Index(regex, self.raw_vocabulary())
+            else:
+                index = Index(pattern, self.engine_vocabulary())
         except (ValueError, TypeError) as exc:
             raise GrammarError(
                 f"spec.source: outlines-core failed to compile {spec.kind} {regex[:200]!r}: {exc}"
