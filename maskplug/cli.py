@@ -44,6 +44,13 @@ def _int_at_least(low: int, high: int | None = None) -> Any:
     return parse
 
 
+def _limit_s(text: str) -> float:
+    """An argparse ``type``: a compile limit in seconds (see :func:`maskplug.conformance.limit_arg`)."""
+    from .conformance import limit_arg
+
+    return limit_arg(text)
+
+
 def _device(text: str) -> str:
     """An argparse ``type``: a torch device this machine has."""
     import torch
@@ -233,7 +240,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
         ("--shard", args.shard),
     ):
         if value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, repr(value) if isinstance(value, float) else str(value)]
     argv += ["--strict-keys", args.strict_keys, "--unsupported", args.unsupported, "--whitespace", args.whitespace]
     argv += ["--json"] * args.json + ["--no-engine"] * args.no_engine + ["--details"] * args.details
     if args.merge:
@@ -360,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
     p.add_argument("--data", help="JSON-lines schemas with tests (default: the JSONSchemaBench sample)")
     p.add_argument("--limit", type=_int_at_least(1), help="only the first N schemas (after --offset and --shard)")
-    p.add_argument("--limit-s", type=float, help="compile limit in seconds (default: the providers')")
+    p.add_argument("--limit-s", type=_limit_s, help="compile limit in CPU seconds (default: the providers')")
     p.add_argument("--offset", type=_int_at_least(0), help="skip the first N schemas of the file")
     p.add_argument("--shard", help="I/N: every N-th schema from the I-th (1-based); N runs cover the file")
     p.add_argument("--details", action="store_true", help="with --json: every schema's and instance's figures")

@@ -56,17 +56,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import GrammarError
-from .grammar import GrammarSpec, Vocab, grammar_provider
+from .errors import GrammarError, MaskplugError
+from .grammar import GrammarSpec, Vocab, grammar_provider, grammar_providers
+from .grammar.limits import MAX_COMPILE_LIMIT_S, check_limit
+from .grammar.registry import AUTO
 from .grammar.vocabs import mistral_tekken, mistral_tekken_encoding
 
 __all__ = [
     "DEFAULT_PROVIDERS",
     "Case",
     "PathReport",
+    "check_providers",
     "default_data_path",
     "engine_path",
     "format_table",
+    "limit_arg",
     "load_cases",
     "main",
     "merge",
@@ -80,12 +84,18 @@ DATA_ENV = "MASKPLUG_JSONSCHEMABENCH"
 
 @dataclass
 class Case:
-    """One schema and its instances (``tests``: (valid, data) pairs)."""
+    """One schema and its instances (``tests``: (valid, data) pairs).
+
+    ``error`` is set for a line that holds a schema maskplug cannot even read
+    (nested too deep for the JSON parser): every provider reports it as that
+    schema's compile error, and the run goes on.
+    """
 
     id: str
     split: str
     schema: Any
     tests: list[tuple[bool, Any]]
+    error: str | None = None
 
 
 #: The JSONSchemaBench subset shipped as package data (see ``maskplug/data/jsonschemabench-subset.md``).
@@ -156,6 +166,9 @@ def load_cases(
             row = json.loads(line)
             tests = [(bool(t["valid"]), t["data"]) for t in row["tests"]]
             out.append(Case(str(row["id"]), str(row.get("split", "")), row["schema"], tests))
+        except RecursionError:
+            # Nested deeper than Python's JSON parser goes: one schema that fails, not the end of the run.
+            out.append(Case(f"line-{n}", "", None, [], error=f"data: line {n} is nested too deep to read"))
         except (ValueError, KeyError, TypeError) as exc:
             raise GrammarError(f"data: line {n} of {os.fspath(p)!r} is not a schema with tests: {exc}") from exc
         if limit is not None and len(out) >= limit:
@@ -173,6 +186,8 @@ class PathReport:
     compiled: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     compile_s: list[float] = field(default_factory=list)
+    #: CPU seconds of each compile (the compile server's, or this process's for an in-process compile).
+    compile_cpu_s: list[float] = field(default_factory=list)
     valid: int = 0
     valid_accepted: int = 0
     invalid: int = 0
@@ -183,18 +198,24 @@ class PathReport:
     served_by: dict[str, str] = field(default_factory=dict)
     warned: int = 0
 
-    def p(self, q: float) -> float:
-        return float(np.percentile(self.compile_s, q)) if self.compile_s else float("nan")
+    def p(self, q: float, cpu: bool = False) -> float:
+        """Percentile ``q`` of the compile times (wall-clock, or CPU with ``cpu``); NaN with none."""
+        xs = self.compile_cpu_s if cpu else self.compile_s
+        return float(np.percentile(xs, q)) if xs else float("nan")
 
     def summary(self) -> dict[str, Any]:
         """The table row (no per-instance detail)."""
         d = asdict(self)
-        for k in ("verdicts", "compile_s", "errors"):
+        for k in ("verdicts", "compile_s", "compile_cpu_s", "errors"):
             d.pop(k)
         d["compile_errors"] = len(self.errors)
         d["compile_errors_past_limit"] = sum("within its limit" in e for e in self.errors.values())
         d["compile_p50_s"] = self.p(50)
         d["compile_p99_s"] = self.p(99)
+        d["compile_max_s"] = self.p(100)
+        d["compile_cpu_p50_s"] = self.p(50, cpu=True)
+        d["compile_cpu_p99_s"] = self.p(99, cpu=True)
+        d["compile_cpu_max_s"] = self.p(100, cpu=True)
         d["mask_us_per_token"] = 1e6 * self.mask_s / self.mask_tokens if self.mask_tokens else float("nan")
         d["served_by"] = _count(self.served_by.values())
         return d
@@ -205,9 +226,10 @@ class PathReport:
 
     @classmethod
     def from_detail(cls, d: dict[str, Any]) -> PathReport:
-        """The report :meth:`detail` wrote."""
+        """The report :meth:`detail` wrote (``compile_cpu_s`` may be absent: outputs of earlier versions)."""
+        optional = {"compile_cpu_s"}
         try:
-            return cls(**{f: d[f] for f in cls.__dataclass_fields__})
+            return cls(**{f: d[f] for f in cls.__dataclass_fields__ if f in d or f not in optional})
         except (KeyError, TypeError) as exc:
             raise GrammarError(f"details: not a conformance report's detail: {exc}") from exc
 
@@ -232,6 +254,7 @@ def merge(parts: Iterable[Sequence[PathReport]]) -> list[PathReport]:
             m.warned += r.warned
             m.mask_s += r.mask_s
             m.compile_s += r.compile_s
+            m.compile_cpu_s += r.compile_cpu_s
             m.errors.update(r.errors)
             m.verdicts.update(r.verdicts)
             m.served_by.update(r.served_by)
@@ -426,11 +449,30 @@ def run(
         mine = PathReport(name, "maskplug")
         eng = engine_path(name, v) if engine else None
         theirs = PathReport(name, "engine") if eng is not None else None
+        worker = getattr(prov, "worker", None)
+        # Compile servers started before the clock runs: the figures are compiles, not start-ups.
+        for w in [worker] + [getattr(grammar_provider(c, v), "worker", None) for c in getattr(prov, "candidates", [])]:
+            if w is not None:
+                try:
+                    w.start()
+                except GrammarError:
+                    pass  # the first compile reports it as that schema's error
         for k, case in enumerate(cases):
-            # The limit travels with each call: the shared provider instances keep their own.
-            spec = GrammarSpec("json_schema", case.schema, compile_limit_s=compile_limit_s, **opts)
             mine.schemas += 1
-            t0 = time.perf_counter()
+            if theirs is not None:
+                theirs.schemas += 1
+            try:
+                if case.error is not None:
+                    raise GrammarError(case.error)
+                # The limit travels with each call: the shared provider instances keep their own.
+                spec = GrammarSpec("json_schema", case.schema, compile_limit_s=compile_limit_s, **opts)
+            except GrammarError as exc:  # a schema maskplug refuses to read: that schema's error on both paths
+                mine.errors[case.id] = str(exc)
+                if theirs is not None:
+                    theirs.errors[case.id] = f"GrammarError: {exc}"
+                continue
+            seen = getattr(worker, "compiles", None)
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 g = prov.compile(spec)
             except GrammarError as exc:
@@ -438,20 +480,25 @@ def run(
                 mine.errors[case.id] = str(exc)
             else:
                 mine.compile_s.append(time.perf_counter() - t0)
+                cpu = time.process_time() - c0
+                if worker is not None and getattr(worker, "compiles", None) != seen:
+                    cpu = float(getattr(worker, "last_cpu_s", None) or 0.0) + cpu  # the server's, and ours
+                mine.compile_cpu_s.append(cpu)
                 mine.compiled += 1
                 mine.warned += bool(getattr(g, "warnings", None))
                 if name == "auto":
                     mine.served_by[case.id] = str(getattr(g, "served_by", "?"))
             eg = None
             if eng is not None and theirs is not None:
-                theirs.schemas += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     eg = eng.compile(spec, g)
                 except Exception as exc:  # the engine's own error, as it reports it
                     theirs.errors[case.id] = f"{type(exc).__name__}: {exc}"
                 else:
                     theirs.compile_s.append(time.perf_counter() - t0 if name != "outlines-core" else mine.compile_s[-1])
+                    own_cpu = time.process_time() - c0
+                    theirs.compile_cpu_s.append(mine.compile_cpu_s[-1] if name == "outlines-core" else own_cpu)
                     theirs.compiled += 1
             for i, (valid, _) in enumerate(case.tests):
                 ids = texts[case.id][i]
@@ -501,23 +548,54 @@ def disagreements(reports: Sequence[PathReport]) -> dict[str, list[str]]:
 def format_table(reports: Sequence[PathReport]) -> str:
     """A Markdown table of the reports."""
     head = (
-        "| provider | path | compiled | compile errors | compile p50 / p99 (s) | valid accepted | "
-        "invalid accepted | mask µs/token |"
+        "| provider | path | compiled | compile errors | compile p50 / p99 / max (s) | "
+        "compile CPU p50 / p99 / max (s) | valid accepted | invalid accepted | mask µs/token |"
     )
-    rows = [head, "|" + "---|" * 8]
+    rows = [head, "|" + "---|" * 9]
     for r in reports:
         s = r.summary()
         rows.append(
             f"| {r.provider} | {r.path} | {r.compiled} / {r.schemas} | {len(r.errors)} | "
-            f"{s['compile_p50_s']:.3f} / {s['compile_p99_s']:.3f} | {r.valid_accepted} / {r.valid} | "
-            f"{r.invalid_accepted} / {r.invalid} | {s['mask_us_per_token']:.0f} |"
+            f"{s['compile_p50_s']:.3f} / {s['compile_p99_s']:.3f} / {s['compile_max_s']:.3f} | "
+            f"{s['compile_cpu_p50_s']:.3f} / {s['compile_cpu_p99_s']:.3f} / {s['compile_cpu_max_s']:.3f} | "
+            f"{r.valid_accepted} / {r.valid} | {r.invalid_accepted} / {r.invalid} | {s['mask_us_per_token']:.0f} |"
         )
     return "\n".join(rows)
 
 
+def limit_arg(text: str) -> float:
+    """An argparse ``type`` for ``--limit-s``: seconds > 0 up to the largest limit, or ``inf`` (no limit)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    try:
+        check_limit(value, "--limit-s")
+    except GrammarError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds > 0 and at most {MAX_COMPILE_LIMIT_S:g} (or inf: no limit), got {text!r}"
+        ) from None
+    return value
+
+
+def check_providers(names: Sequence[str] | None) -> None:
+    """:class:`GrammarError` naming ``--provider`` for a name that is neither registered nor ``auto``."""
+    known = sorted({*grammar_providers(), AUTO})
+    bad = [n for n in names or () if n not in known]
+    if bad:
+        raise GrammarError(f"--provider: expected one of {known}, got {bad[0]!r}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``maskplug conformance``: print the table (or JSON) for the chosen providers."""
-    ap = argparse.ArgumentParser(prog="maskplug conformance", description=__doc__.split("\n\n")[0])
+    """``maskplug conformance``: print the table (or JSON) for the chosen providers.
+
+    Usage errors (a bad option value, an unknown provider, unreadable data)
+    exit with status 2 and one line on stderr; a failure of the run itself
+    with status 1 and one line.
+    """
+    from .cli import _Parser
+
+    ap = _Parser(prog="maskplug conformance", description=__doc__.split("\n\n")[0])
     ap.add_argument("--provider", action="append", help="provider (repeatable; default: all three and auto)")
     ap.add_argument("--data", help="JSON-lines schemas with tests (default: the shared JSONSchemaBench sample)")
     ap.add_argument("--limit", type=int, help="only the first N schemas (after --offset and --shard)")
@@ -530,16 +608,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="print the table of earlier --json --details outputs (shards) combined",
     )
-    ap.add_argument("--limit-s", type=float, default=None, help="compile limit in seconds (default: the providers')")
+    ap.add_argument(
+        "--limit-s", type=limit_arg, default=None, help="compile limit in CPU seconds (default: the providers')"
+    )
     ap.add_argument("--no-engine", action="store_true", help="skip driving the engines directly")
     ap.add_argument("--strict-keys", choices=("true", "false"), default="true")
     ap.add_argument("--unsupported", choices=("ignore", "refuse"), default="ignore")
     ap.add_argument("--whitespace", choices=("flexible", "compact"), default="flexible")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    a = ap.parse_args(argv)
+    try:
+        a = ap.parse_args(argv)
+    except SystemExit as exc:  # usage errors (2, one line) and --help (0): a status, not an exit
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         if a.merge:
             return _print(merge(_read_details(f) for f in a.merge), a.json, a.details)
+        check_providers(a.provider)
         shard = parse_shard(a.shard) if a.shard is not None else None
         cases = load_cases(a.data, a.limit, offset=a.offset, shard=shard)
     except GrammarError as exc:
@@ -550,14 +634,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    reports = run(
-        a.provider or DEFAULT_PROVIDERS,
-        cases,
-        options=opts,
-        compile_limit_s=a.limit_s,
-        engine=not a.no_engine,
-        progress=say,
-    )
+    try:
+        reports = run(
+            a.provider or DEFAULT_PROVIDERS,
+            cases,
+            options=opts,
+            compile_limit_s=a.limit_s,
+            engine=not a.no_engine,
+            progress=say,
+        )
+    except MaskplugError as exc:  # the run could not go on (no vocabulary, a provider that cannot start)
+        print(f"maskplug conformance: error: {exc}", file=sys.stderr)
+        return 1
     return _print(reports, a.json, a.details)
 
 

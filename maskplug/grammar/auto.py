@@ -13,7 +13,8 @@ The compile limit holds for auto as a whole: ``compile_limit_s`` (default
 :data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`, or the spec's own)
 bounds all attempts together; each candidate gets what is left (or its own
 limit, when smaller), and when nothing is left the candidates not yet tried are
-passed over.
+passed over. As for each provider, the budget counts the compile servers' CPU
+seconds (wall-clock for a compile in this process).
 
 The choice is reported: the grammar gets ``served_by`` (the provider's name)
 and ``why`` (a sentence), :meth:`AutoProvider.explain` returns the
@@ -31,7 +32,7 @@ from typing import Any
 
 from ..errors import GrammarError
 from .bases import ProviderBase
-from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit
+from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit, wall_backstop
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
 
 __all__ = ["PREFERENCE", "AutoChoice", "AutoProvider"]
@@ -112,18 +113,26 @@ class AutoProvider(ProviderBase[Any]):
                 # A call's own limit is what this compile may take in all; without
                 # one, each candidate also keeps its provider's limit.
                 own = getattr(prov, "compile_limit_s", None) if spec.compile_limit_s is None else None
-                attempt = replace(spec, compile_limit_s=left if own is None else min(own, left))
+                share = left if own is None else min(own, left)
+                attempt = replace(spec, compile_limit_s=share)
                 worker = getattr(prov, "worker", None)
                 if worker is not None and worker.pid is None and attempt not in prov.cache:
-                    worker.start()  # a worker's start-up is not a request's time
+                    # A worker's start-up is not a request's time, but it is bounded by the compile's backstop.
+                    try:
+                        worker.start(wall_backstop(share))
+                    except GrammarError as exc:
+                        tried.append((name, f"GrammarError: {exc}"))
+                        continue
             t0 = time.monotonic()
+            worker = getattr(prov, "worker", None)
+            seen = (getattr(worker, "compiles", None), getattr(worker, "killed", None))
             try:
                 grammar = prov.compile(attempt)
             except GrammarError as exc:
-                spent += time.monotonic() - t0
+                spent += _spent(worker, seen, t0)
                 tried.append((name, f"GrammarError: {exc}"))
                 continue
-            spent += time.monotonic() - t0
+            spent += _spent(worker, seen, t0)
             warns = list(getattr(grammar, "warnings", []) or [])
             if not warns:
                 tried.append((name, "enforces every keyword"))
@@ -150,3 +159,12 @@ class AutoProvider(ProviderBase[Any]):
             pass
         logger.info("auto: %s spec served by %s (%s)", spec.kind, name, why)
         return grammar
+
+
+def _spent(worker: Any, seen: tuple[Any, Any], t0: float) -> float:
+    """What one attempt took out of auto's budget: the worker's CPU seconds when it compiled, else wall-clock."""
+    now = (getattr(worker, "compiles", None), getattr(worker, "killed", None))
+    cpu = getattr(worker, "last_cpu_s", None)
+    if worker is not None and now != seen and isinstance(cpu, float):
+        return cpu
+    return time.monotonic() - t0

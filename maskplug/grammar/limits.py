@@ -24,7 +24,23 @@ its compiled grammar in the calling process.
 Limits: :data:`DEFAULT_COMPILE_LIMIT_S` unless the provider sets its own
 ``compile_limit_s`` (``None``: compile in the calling process, no limit), and
 ``GrammarSpec.compile_limit_s`` for one call (``math.inf``: no limit for this
-call).
+call). A finite limit is at most :data:`MAX_COMPILE_LIMIT_S`.
+
+What a limit counts: the compile server's own **CPU time** (all its
+threads, read from ``/proc/<pid>/stat`` while the caller waits), so a compile
+that is merely slowed by a busy machine is not stopped; only one that keeps
+computing past the limit is. A **wall-clock backstop** far above the limit
+(:func:`wall_backstop`: ``limit * WALL_BACKSTOP_FACTOR``, at least
+``limit + WALL_BACKSTOP_MIN_S``) bounds everything the caller waits for
+after getting the worker: the start-up process still starting, the fork and
+the compile. Waiting for another caller's compile counts against the limit
+itself (wall-clock): a request never queues behind a slow one for longer
+than its own limit. Where ``/proc`` is not available the limit is
+wall-clock, as before.
+
+A start-up process that is still starting when a request's backstop runs
+out is left running (it is not the request's fault and the next compile
+may use it); it is ended only after :data:`STARTUP_LIMIT_S` in all.
 """
 
 from __future__ import annotations
@@ -51,15 +67,29 @@ from .spec import GrammarSpec
 __all__ = [
     "DEFAULT_COMPILE_LIMIT_S",
     "IDLE_EXIT_S",
+    "MAX_COMPILE_LIMIT_S",
     "STARTUP_LIMIT_S",
+    "WALL_BACKSTOP_FACTOR",
+    "WALL_BACKSTOP_MIN_S",
     "CompileWorker",
     "check_limit",
+    "cpu_seconds",
     "effective_limit",
+    "wall_backstop",
 ]
 
-#: Seconds a compile may take unless the provider or the call says otherwise.
+#: CPU seconds a compile may take unless the provider or the call says otherwise (see the module notes
+#: and the measurements behind it in the changelog: the slowest real schema of any provider, with margin).
 DEFAULT_COMPILE_LIMIT_S = 5.0
-#: Seconds the start-up process may take (import the engine, build the tokenizer); not a request's time.
+#: The largest finite limit (about 28 hours): its wall-clock backstop must fit the OS's timeouts
+#: (``poll`` takes a C int of milliseconds, about 24.8 days); ``math.inf`` means no limit.
+MAX_COMPILE_LIMIT_S = 1e5
+#: The wall-clock backstop is this many times the limit ...
+WALL_BACKSTOP_FACTOR = 10.0
+#: ... and at least this many seconds above it (start-up and a loaded machine on short limits).
+WALL_BACKSTOP_MIN_S = 10.0
+#: Seconds the start-up process may take in all (import the engine, build the tokenizer); a request
+#: waits for it at most its own wall-clock backstop.
 STARTUP_LIMIT_S = 180.0
 #: A compile server with no compile, or a start-up process with no fork, for this long exits.
 IDLE_EXIT_S = 120.0
@@ -68,20 +98,52 @@ BuildFn = Callable[..., Callable[[GrammarSpec], Any]]
 
 
 def check_limit(value: Any, arg: str) -> float | None:
-    """``value`` as a compile limit in seconds (``None`` or a number > 0, ``math.inf`` allowed)."""
+    """``value`` as a compile limit in seconds: ``None``, ``math.inf``, or a number in ``(0, MAX_COMPILE_LIMIT_S]``."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+    # No float() before the comparisons: an int too large for a float is a bad limit, not an OverflowError.
+    nan = isinstance(value, float) and math.isnan(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or nan or value <= 0:
         raise GrammarError(f"{arg}: expected a number of seconds > 0 or None, got {value!r}")
+    if value != math.inf and value > MAX_COMPILE_LIMIT_S:
+        raise GrammarError(
+            f"{arg}: expected at most {MAX_COMPILE_LIMIT_S:g} seconds (or math.inf for no limit), got {value!r}"
+        )
     return float(value)
 
 
 def effective_limit(provider_limit: float | None, spec: GrammarSpec) -> float | None:
-    """The limit for compiling ``spec``: the call's own, else the provider's; ``None`` for no limit."""
-    limit = spec.compile_limit_s if spec.compile_limit_s is not None else provider_limit
+    """The limit for compiling ``spec``: the call's own, else the provider's; ``None`` for no limit.
+
+    Both are checked here (:func:`check_limit`), so a limit too large for the
+    OS's timeouts is a :class:`GrammarError` naming it before any compile.
+    """
+    if spec.compile_limit_s is not None:
+        limit = check_limit(spec.compile_limit_s, "spec.compile_limit_s")
+    else:
+        limit = check_limit(provider_limit, "compile_limit_s")
     if limit is None or math.isinf(limit):
         return None
     return limit
+
+
+def wall_backstop(limit_s: float) -> float:
+    """Wall-clock seconds a compile limited to ``limit_s`` CPU seconds may take in all (start-up included)."""
+    return max(limit_s * WALL_BACKSTOP_FACTOR, limit_s + WALL_BACKSTOP_MIN_S)
+
+
+_TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) process ``pid`` has used; None when the OS does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        # Fields 14 and 15 of proc(5) (utime, stime); fields[0] is field 3 (state).
+        return (int(fields[11]) + int(fields[12])) * _TICK_S
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _serve(conn: Connection, compile_fn: Callable[[GrammarSpec], Any]) -> None:
@@ -209,9 +271,13 @@ class CompileWorker:
     server is forked from it, so replacing a server killed at a limit takes
     milliseconds instead of a fresh interpreter's start-up. Compiles are
     served one at a time; a caller waiting for an earlier compile counts that
-    wait against its own limit, so every caller gets control back within its
-    limit. ``started`` counts compile servers started, ``killed`` those ended
-    for running too long.
+    wait against its own limit. The limit counts the server's CPU time; the
+    caller gets control back within the compile's wall-clock backstop
+    (:func:`wall_backstop`) in any case. ``started`` counts compile servers
+    started, ``killed`` those ended for running too long, ``compiles`` the
+    compiles answered; ``last_cpu_s`` and ``last_wall_s`` are the CPU and
+    wall-clock seconds of the latest compile sent to the server (answered or
+    stopped).
     """
 
     def __init__(self, name: str, build: BuildFn, args: tuple[Any, ...]) -> None:
@@ -222,12 +288,17 @@ class CompileWorker:
         self._proc: Any = None  # the start-up process
         self._ctl: Connection | None = None  # its messages
         self._ctl_sock: socket.socket | None = None  # its replies carrying a server's socket
+        self._ready = False  # whether the start-up process reported that it has built everything
+        self._launched_at = -math.inf
         self._server: list[int | None] = [None]  # the live compile server's pid
         self._conn: Connection | None = None
         self._recv: Connection | None = None
         self._finalizer: Any = None
         self.started = 0
         self.killed = 0
+        self.compiles = 0
+        self.last_cpu_s: float | None = None
+        self.last_wall_s: float | None = None
         self._last_used = -math.inf
         self._forked_at = -math.inf
 
@@ -237,7 +308,7 @@ class CompileWorker:
         pid = self._server[0]
         return pid if pid is not None and not _gone(pid) else None
 
-    def _start_zygote(self) -> None:
+    def _launch_zygote(self) -> None:
         # A fresh interpreter (``python -m maskplug.grammar.limits``): no inherited engine threads or
         # locks, and the caller's main script is never re-run (as multiprocessing's spawn would).
         here, there = socket.socketpair()
@@ -255,15 +326,27 @@ class CompileWorker:
             there.close()
         ctl = Connection(os.dup(here.fileno()))
         self._proc, self._ctl, self._ctl_sock = proc, ctl, here
+        self._ready = False
+        self._launched_at = time.monotonic()
         self._finalizer = weakref.finalize(self, _stop, proc, (ctl, here), self._server)
         try:
             ctl.send((self._build, self._args))
         except OSError as exc:
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker did not start: {exc}") from exc
-        if not ctl.poll(STARTUP_LIMIT_S):
-            self._shutdown()
-            raise GrammarError(f"{self.name}: the compile worker did not start within {STARTUP_LIMIT_S:g} s")
+
+    def _await_ready(self, deadline: float | None) -> None:
+        """Wait for the start-up process to be ready, until ``deadline`` (it keeps starting past it)."""
+        ctl = self._ctl
+        assert ctl is not None
+        end = self._launched_at + STARTUP_LIMIT_S
+        until = end if deadline is None else min(end, deadline)
+        if not ctl.poll(max(until - time.monotonic(), 0.0)):
+            now = time.monotonic()
+            if now >= end:
+                self._shutdown()
+                raise GrammarError(f"{self.name}: the compile worker did not start within {STARTUP_LIMIT_S:g} s")
+            raise _StillStarting(now - self._launched_at)
         try:
             kind, detail = ctl.recv()
         except (EOFError, OSError) as exc:
@@ -272,27 +355,32 @@ class CompileWorker:
         if kind != "ready":
             self._shutdown()
             raise GrammarError(f"{self.name}: the compile worker could not start: {detail}")
+        self._ready = True
         self._forked_at = time.monotonic()
 
-    def _start(self) -> Connection:
+    def _start(self, deadline: float | None) -> Connection:
         now = time.monotonic()
         fresh = now - self._last_used < IDLE_EXIT_S - 10.0  # well before the server's idle exit
         if fresh and self._conn is not None and self.pid is not None:
             self._last_used = now
             return self._conn
         self._end_server()
-        # The start-up process exits when idle as long: start a new one well before that.
-        zygote_fresh = now - self._forked_at < IDLE_EXIT_S - 10.0
-        if not (zygote_fresh and self._proc is not None and self._proc.poll() is None):
+        # The start-up process exits when idle as long (once ready): start a new one well before that.
+        alive = self._proc is not None and self._proc.poll() is None
+        if not (alive and (not self._ready or now - self._forked_at < IDLE_EXIT_S - 10.0)):
             self._shutdown()
-            self._start_zygote()
+            self._launch_zygote()
+        if not self._ready:
+            self._await_ready(deadline)
         ctl, sock = self._ctl, self._ctl_sock
         assert ctl is not None and sock is not None
+        # A fork takes milliseconds: a start-up process that does not answer in time is broken.
+        wait = STARTUP_LIMIT_S if deadline is None else max(deadline - time.monotonic(), 0.0)
         try:
             ctl.send("fork")
-            ready, _, _ = select.select([sock], [], [], STARTUP_LIMIT_S)
+            ready, _, _ = select.select([sock], [], [], wait)
             if not ready:
-                raise OSError(f"no compile server within {STARTUP_LIMIT_S:g} s")
+                raise OSError(f"no compile server within {wait:.3g} s")
             msg, fds, _, _ = socket.recv_fds(sock, 8, 1)
             if len(msg) != 8 or len(fds) != 1:
                 for fd in fds:
@@ -326,6 +414,7 @@ class CompileWorker:
             self._finalizer()
         self._finalizer = None
         self._proc = self._ctl = self._ctl_sock = None
+        self._ready = False
 
     def close(self) -> None:
         """Stop the compile server and the start-up process (a later compile starts new ones)."""
@@ -341,36 +430,95 @@ class CompileWorker:
             except ProcessLookupError:
                 pass
 
-    def start(self) -> None:
-        """Start a compile server now (otherwise the first compile does, outside its limit)."""
+    def start(self, timeout_s: float | None = None) -> None:
+        """Start a compile server now (otherwise the first compile does, outside its limit).
+
+        Waits for the start-up process at most ``timeout_s`` seconds (default:
+        :data:`STARTUP_LIMIT_S`); past it, :class:`GrammarError`, and the
+        start-up goes on for the next call.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + max(float(timeout_s), 0.0)
         with self._lock:
-            self._start()
+            try:
+                self._start(deadline)
+            except _StillStarting as exc:
+                raise GrammarError(
+                    f"{self.name}: the compile worker was still starting after {exc.elapsed:.1f} s "
+                    f"(start-up goes on, for at most {STARTUP_LIMIT_S:g} s in all)"
+                ) from None
+
+    def _wait(self, recv: Connection, pid: int, limit_s: float, deadline: float) -> tuple[str, float, float]:
+        """Wait for the server's answer: ``("answer" | "limit" | "backstop", cpu_s, wall_s)``.
+
+        The limit counts the server's CPU time, polled while waiting (the
+        poll interval shrinks as the compile nears its limit); where the OS
+        does not report it, the limit is wall-clock.
+        """
+        t0 = time.monotonic()
+        cpu0 = cpu_seconds(pid)
+        used = 0.0
+        while True:
+            now = time.monotonic()
+            if cpu0 is None:  # no CPU figures: the limit is wall-clock
+                left = min(t0 + limit_s, deadline) - now
+                got = left > 0 and recv.poll(left)
+                wall = time.monotonic() - t0
+                return ("answer" if got else "limit"), wall, wall
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                used = cpu - cpu0
+            if used >= limit_s:
+                return "limit", used, now - t0
+            if now >= deadline:
+                return "backstop", used, now - t0
+            step = min(0.05, max(0.002, (limit_s - used) / 4), deadline - now)
+            if recv.poll(step):
+                cpu = cpu_seconds(pid)
+                return "answer", (cpu - cpu0 if cpu is not None else used), time.monotonic() - t0
 
     def run(self, spec: GrammarSpec, limit_s: float) -> Any:
         """What the worker's compile function returns for ``spec``, or :class:`GrammarError`.
 
-        Raises :class:`GrammarError` when the compile (waiting for the
-        worker included) runs past ``limit_s``; the worker is killed then.
+        Raises :class:`GrammarError` when the compile runs past ``limit_s``
+        seconds of CPU time, when waiting for an earlier compile takes longer
+        than ``limit_s``, or when everything after that (start-up, fork,
+        compile) runs past the wall-clock backstop; the server is killed then.
         """
         asked = time.monotonic()
+        backstop = wall_backstop(limit_s)
         if not self._lock.acquire(timeout=limit_s):
             raise GrammarError(
                 f"spec: {self.name} could not start compiling this {spec.kind} spec within its limit of "
                 f"{limit_s:g} s (other compiles were running)"
             )
         try:
-            waited = time.monotonic() - asked
-            conn = self._start()  # start-up (first compile, or after a kill) is not the request's time
-            left = limit_s - waited
-            recv = self._recv
-            assert recv is not None
+            deadline = asked + backstop  # the wait for the lock included
+            try:
+                conn = self._start(deadline)  # start-up is not the request's CPU time, but within its backstop
+            except _StillStarting as exc:
+                raise GrammarError(
+                    f"spec: the {self.name} compile worker was still starting after {exc.elapsed:.1f} s when "
+                    f"this {spec.kind} spec's wall-clock backstop of {backstop:g} s (limit {limit_s:g} s) ran out; "
+                    f"start-up goes on for the next compile (at most {STARTUP_LIMIT_S:g} s in all)"
+                ) from None
+            recv, pid = self._recv, self._server[0]
+            assert recv is not None and pid is not None
             conn.send(spec)
-            if left <= 0 or not recv.poll(max(left, 0.0)):
+            outcome, cpu, wall = self._wait(recv, pid, limit_s, deadline)
+            self.last_cpu_s, self.last_wall_s = cpu, wall
+            if outcome != "answer":
                 self.killed += 1
                 self._end_server()  # gone before the caller gets control back; the start-up process stays
+                if outcome == "limit":
+                    raise GrammarError(
+                        f"spec: {self.name} did not compile this {spec.kind} spec within its limit of {limit_s:g} s; "
+                        f"the compile was stopped after {cpu:.2f} s of CPU time ({wall:.2f} s wall-clock) "
+                        "(set compile_limit_s on the provider or the spec to allow more)"
+                    )
                 raise GrammarError(
                     f"spec: {self.name} did not compile this {spec.kind} spec within its limit of {limit_s:g} s; "
-                    "the compile was stopped (set compile_limit_s on the provider or the spec to allow more)"
+                    f"the compile was stopped at its wall-clock backstop of {backstop:g} s after only {cpu:.2f} s "
+                    "of CPU time (an overloaded machine, or a compile waiting on something)"
                 )
             try:
                 kind, value = recv.recv()
@@ -379,6 +527,7 @@ class CompileWorker:
                 raise GrammarError(
                     f"spec: the {self.name} compile worker died compiling this {spec.kind} spec"
                 ) from exc
+            self.compiles += 1
         finally:
             self._lock.release()
         if kind == "err":
@@ -388,6 +537,14 @@ class CompileWorker:
                 raise GrammarError(message) from cause
             raise GrammarError(message)
         return value
+
+
+class _StillStarting(Exception):
+    """The start-up process had not finished by the caller's deadline (it keeps starting)."""
+
+    def __init__(self, elapsed: float) -> None:
+        super().__init__(elapsed)
+        self.elapsed = elapsed
 
 
 if __name__ == "__main__":  # the start-up process (see CompileWorker._start_zygote)
