@@ -723,9 +723,11 @@ def check_config(vllm_config: Any, scheduler: str | None = None) -> None:
             f"devices, or unset {SCHEDULER_ENV}"
         )
     method = str(getattr(spec, "method", ""))
-    sched = _controller.scheduler if scheduler is None and _controller is not None else None
-    if sched is None and name:
-        sched = make_scheduler(name)
+    # A fresh instance for the probe, so the running scheduler's history is not touched.
+    try:
+        sched: Scheduler | None = make_scheduler(name) if name else None
+    except PluginError:
+        sched = _controller.scheduler if _controller is not None else None
     if sched is not None and method not in CONFIDENCE_METHODS and _needs_confidences(sched):
         raise PluginError(
             f"{SCHEDULER_ENV}={name}: this scheduler reads the drafter's confidences, got the {method!r} drafter, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -43,7 +44,6 @@ from maskplug import (
 from maskplug.compaction import regime_of
 from maskplug.schedulers import GoodputScheduler, GrammarAwareScheduler
 
-RUNNER = SimpleNamespace(use_async_scheduling=False, parallel_config=SimpleNamespace(world_size=1))
 
 
 class FixedBudget:
@@ -95,7 +95,8 @@ def test_plan_compacts_the_step_for_the_runner() -> None:
         sched = FixedBudget(b)
         ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
         before = (dict(so.num_scheduled_tokens), {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()})
-        trimmed, plan = ctl.plan(RUNNER, so)
+        plan = ctl.plan(so)
+        trimmed = adaptive.compacted_output(so)
         # vLLM's scheduler keeps the step as scheduled.
         assert (so.num_scheduled_tokens, so.scheduled_spec_decode_tokens) == before
         if total == 0:
@@ -123,6 +124,14 @@ def test_plan_compacts_the_step_for_the_runner() -> None:
         for f in dataclasses.fields(SchedulerOutput):
             if f.name not in {"num_scheduled_tokens", "total_num_scheduled_tokens", "scheduled_spec_decode_tokens"}:
                 assert getattr(trimmed, f.name) is getattr(so, f.name), f.name
+        # What the workers get is plain data, serialisable as vLLM serialises the scheduler output,
+        # and the copy a worker builds from the received output is the same step.
+        received = pickle.loads(pickle.dumps(so))
+        again = adaptive.compacted_output(received)
+        assert again.num_scheduled_tokens == trimmed.num_scheduled_tokens
+        assert again.scheduled_spec_decode_tokens == trimmed.scheduled_spec_decode_tokens
+        assert again.total_num_scheduled_tokens == trimmed.total_num_scheduled_tokens
+        assert getattr(again, SCHEDULED_SPEC_ATTR) == so.scheduled_spec_decode_tokens
     assert regimes == {"full", "partial", "zero"}
 
 
@@ -135,7 +144,6 @@ def _with_grammar(so: SchedulerOutput, gids: list[str], acceptable: list[int], r
         forced=np.zeros((g, 6), dtype=bool),
     )
     setattr(go, adaptive._DRAFT_MASKS_ON_OUTPUT, dm)
-    setattr(so, adaptive._GRAMMAR_ATTR, go)
     return go
 
 
@@ -147,10 +155,10 @@ def test_grammar_aware_budget_keeps_only_drafts_the_grammar_accepts() -> None:
         gsel = [i for i in range(len(ids)) if rng.random() < 0.6]
         gids = [ids[i] for i in gsel]
         acc = [int(rng.integers(0, nd[i] + 1)) for i in gsel]
-        _with_grammar(so, gids, acc, sum(1 + int(nd[i]) for i in gsel))
+        go = _with_grammar(so, gids, acc, sum(1 + int(nd[i]) for i in gsel))
         inner = FixedBudget(int(nd.sum()))
         ctl = adaptive._Controller(GrammarAwareScheduler(inner), "grammar-aware:fixed", CostModel.linear())
-        _, plan = ctl.plan(RUNNER, so)
+        plan = ctl.plan(so, go)
         if not int(nd.sum()):
             continue
         view = inner.views[-1]
@@ -182,10 +190,10 @@ def test_finish_reports_the_outcome_counts_and_fires_the_hook() -> None:
             so, ids, nd, _ = _step(rng)
             sched.want = int(rng.integers(0, int(nd.sum()) + 1))
             gids = ids[: len(ids) // 2]
-            _with_grammar(
+            go = _with_grammar(
                 so, gids, [int(nd[i]) for i in range(len(gids))], sum(1 + int(nd[i]) for i in range(len(gids)))
             )
-            _, plan = ctl.plan(RUNNER, so)
+            plan = ctl.plan(so, go)
             order = list(rng.permutation(len(ids)))
             sampled: list[list[int]] = [[] for _ in ids]
             acc = np.zeros(len(ids), dtype=np.int64)
@@ -227,7 +235,7 @@ def test_goodput_learns_from_the_engine_outcomes() -> None:
     budgets = []
     for _ in range(12):
         so, ids, _, _ = _step(rng)
-        _, plan = ctl.plan(RUNNER, so)
+        plan = ctl.plan(so)
         out = SimpleNamespace(sampled_token_ids=[[1] for _ in ids], req_id_to_index={r: i for i, r in enumerate(ids)})
         ctl.finish(plan, out)
         budgets.append(plan.budget)
@@ -412,18 +420,19 @@ def test_full_and_zero_budget_splits_equal_allocate_step() -> None:
             forced=rng.random((g, 6)) < 0.3,
         )
         setattr(go, adaptive._DRAFT_MASKS_ON_OUTPUT, dm)
-        setattr(so, adaptive._GRAMMAR_ATTR, go)
         for b in (0, total):
             sched = BeliefBudget(b, np.random.default_rng(seen))
             ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
-            trimmed, plan = ctl.plan(RUNNER, so)
+            step = dataclasses.replace(so)
+            plan = ctl.plan(step, go)
+            trimmed = adaptive.compacted_output(step)
             view = sched.views[-1]
             conf = torch.from_numpy(BeliefBudget(b, np.random.default_rng(seen)).beliefs(view))
             expect = allocate_step(view, conf, b).numpy()
             assert plan.capacity.dtype == np.int64
             assert plan.capacity.tolist() == expect.tolist()
             assert plan.regime == regime_of(plan.layout, b)
-            assert (trimmed is so) == (b == total)
+            assert (trimmed is step) == (b == total)
             seen += 1
     assert seen > 100
 

@@ -117,6 +117,23 @@ def build(folder: Path, specials: tuple[str, ...] = ("</s>",)) -> Path:
     return folder
 
 
+def build_draft(folder: Path, target: Path, *, num_layers: int = 1) -> Path:
+    """A draft model for ``target``: its tokenizer and config with ``num_layers`` layers instead of its own.
+
+    With dummy weights drawn from the same seed, the draft shares the
+    target's first layers, embeddings and head, so it agrees with the target
+    on some tokens and not on others: acceptance is partial and confidence
+    budgets vary.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((target / name).read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def ngram_engine(
     folder: Path | str, num_spec: int, *, max_model_len: int, max_num_seqs: int, backend: str = "xgrammar"
 ) -> Any:
