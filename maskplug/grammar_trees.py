@@ -33,7 +33,6 @@ matcher where it started, also when it raises (its contract).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -44,19 +43,19 @@ import torch
 
 from .draftmasks import DraftMasks
 from .errors import GrammarError, LayoutError
-from .grammar import fill_draft_masks
-from .grammar.checks import brief_error, check_bitmask
-from .grammar.pools import shared_pool
+from .grammar.checks import brief_error
+from .grammar.draft import FillArgs, check_fill_args, fill_checked, undo_after_interrupt
+from .grammar.jobs import claim, release
+from .grammar.pools import spread_tasks
 from .grammar.protocols import Matcher
 from .grammar.rows import stop_row
-from .layout import GrammarRows, ScheduledLayout
+from .layout import GrammarRows
 from .trees import DraftTree, TreeMasks
 
 __all__ = ["fill_tree_masks", "native_tree_walker"]
 
 IntArray = npt.NDArray[np.int64]
 _STRATEGIES = ("auto", "native", "walk")
-_THREADS = min(8, os.cpu_count() or 1)
 
 
 def native_tree_walker(matcher: Any) -> Callable[..., Any] | None:
@@ -69,55 +68,6 @@ def native_tree_walker(matcher: Any) -> Callable[..., Any] | None:
     raw = getattr(matcher, "raw", None)
     fn = getattr(raw, "traverse_draft_tree", None)
     return fn if callable(fn) else None
-
-
-def _tokens_matrix(tokens: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
-    """Node tokens as a (grammar requests × max nodes) int64 matrix padded with -1, and the node counts.
-
-    ``tokens`` is one sequence per grammar request (rows order) or one flat
-    1-D array of every scheduled node in batch order.
-    """
-    nd = layout.num_drafts[idx]
-    width = int(nd.max()) if nd.size else 0
-    out = np.full((idx.shape[0], width), -1, dtype=np.int64)
-    if isinstance(tokens, torch.Tensor):
-        if tokens.device.type != "cpu":
-            raise LayoutError(f"tokens: expected host token ids, got a tensor on {tokens.device}")
-        tokens = tokens.detach().numpy()
-    flat = isinstance(tokens, np.ndarray) and tokens.ndim == 1
-    if not flat and isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes)):
-        flat = (len(tokens) > 0 and isinstance(tokens[0], (int, np.integer))) or (
-            len(tokens) == 0 and layout.total_drafts == 0
-        )
-    if flat:
-        arr = np.asarray(tokens)
-        if arr.size and arr.dtype.kind not in "iu":
-            raise LayoutError(f"tokens: expected integer token ids, got dtype {arr.dtype}")
-        if arr.shape[0] != layout.total_drafts:
-            raise LayoutError(
-                f"tokens: a flat array must hold every scheduled node in batch order, expected "
-                f"{layout.total_drafts} (Σ num_drafts), got {arr.shape[0]}"
-            )
-        starts = np.zeros(layout.n + 1, dtype=np.int64)
-        np.cumsum(layout.num_drafts, out=starts[1:])
-        for g, r in enumerate(idx.tolist()):
-            out[g, : nd[g]] = arr[starts[r] : starts[r + 1]]
-        return out, nd
-    if not isinstance(tokens, Sequence) or isinstance(tokens, (str, bytes)):
-        raise LayoutError(f"tokens: expected one token sequence per grammar request, got {type(tokens).__name__}")
-    if len(tokens) != idx.shape[0]:
-        raise LayoutError(f"tokens: expected {idx.shape[0]} sequences (one per grammar request), got {len(tokens)}")
-    for g, t in enumerate(tokens):
-        a = np.asarray(t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t)
-        if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise LayoutError(f"tokens[{g}]: expected a 1-D sequence of token ids, got shape {a.shape} {a.dtype}")
-        if a.shape[0] != nd[g]:
-            raise LayoutError(
-                f"tokens[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
-                f"{layout.req_ids[idx[g]]!r}, got {a.shape[0]}"
-            )
-        out[g, : a.shape[0]] = a
-    return out, nd
 
 
 def _links(parents: IntArray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,9 +191,9 @@ def _walk_dfs(
         else:
             what = f"rollback(1) leaving node {node}"
         return _matcher_failed(m, g, exc, f"in its {what}", depth)
-    except BaseException:
-        if depth:
-            m.rollback(depth)
+    except BaseException as exc:
+        # Stopped as a whole (an interrupt): undo this walk, and say so where that fails too.
+        undo_after_interrupt(m, g, depth, exc, "tokens")
         raise
     return None
 
@@ -296,10 +246,22 @@ def fill_tree_masks(
     Returns:
         :class:`~maskplug.TreeMasks`: per node, on a grammar-valid path or
         not, forced or not, and the requests that failed. Structural
-        mistakes (the number of matchers or token sequences, a sequence's
-        length or dtype, the bitmask, ``rows``, ``tree``, ``strategy``) raise
-        :class:`~maskplug.LayoutError` or :class:`~maskplug.GrammarError`
-        before any row or matcher is touched. What goes wrong with one
+        mistakes raise :class:`~maskplug.LayoutError` or
+        :class:`~maskplug.GrammarError` before any row or matcher is
+        touched, checked by the code :func:`~maskplug.fill_draft_masks` uses
+        (:func:`maskplug.grammar.draft.check_fill_args`), so both refuse and
+        accept the same arguments: ``matchers`` one distinct
+        :class:`~maskplug.grammar.Matcher` per grammar request, ``tokens``
+        (the number of sequences, their lengths, integer dtypes; host or
+        device tensors), the bitmask, ``rows``, ``tree``, ``threads`` (None
+        or an int >= 0) and ``strategy``. The matchers are held for the call
+        as :func:`~maskplug.fill_draft_masks` holds them (one a call on
+        another thread is using raises :class:`~maskplug.MatcherInUse`; one
+        an unfinished ``wait=False`` job holds is waited for). A call
+        stopped as a whole (``KeyboardInterrupt``) raises only after every
+        walk it started has ended and its matchers are back where they
+        started (a rollback that fails then is logged and added to the
+        exception as a note). What goes wrong with one
         request only fails that request (:attr:`TreeMasks.failed
         <maskplug.TreeMasks.failed>`, ``tokens[g][j]: ...`` for a node id
         outside its vocabulary, ``matchers[g]: ...`` for an exception from its
@@ -308,56 +270,34 @@ def fill_tree_masks(
         forced, and the other requests get exactly the rows and flags of the
         same batch without it. Nothing raises for the batch.
     """
-    if strategy not in _STRATEGIES:
-        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r}")
+    if not isinstance(strategy, str) or strategy not in _STRATEGIES:
+        raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r:.80}")
     if not isinstance(rows, GrammarRows):
         raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
     if not isinstance(tree, DraftTree):
         raise LayoutError(f"tree: expected a DraftTree, got {type(tree).__name__}")
     layout = tree.layout
-    idx = rows.batch_indices(layout)
-    per = rows.rows_per_request(layout)
-    g_count = int(idx.shape[0])
-    ms = list(matchers)
-    if len(ms) != g_count:
-        raise LayoutError(f"matchers: expected {g_count} (one per grammar request), got {len(ms)}")
+    # The checks fill_draft_masks makes, in the same code (the tokens named as this call's argument).
+    args = check_fill_args(matchers, tokens, bitmask, rows, layout, threads, arg="tokens")
     # Chains take fill_draft_masks' fast paths (its chain operations fill the row after the last
     # draft, so only layouts with a bonus row qualify).
-    if strategy == "auto" and layout.num_bonus >= 1 and bool(tree.is_chain[idx].all()):
-        dm = fill_draft_masks(ms, tokens, bitmask, rows, layout, threads=threads)
-        return _from_chain(dm, layout.num_drafts[idx])
-    d, nd = _tokens_matrix(tokens, layout, idx)
-    total = int(per.sum())
-    row0 = np.zeros(g_count, dtype=np.int64)
-    if g_count > 1:
-        np.cumsum(per[:-1], out=row0[1:])
-    vocabs = [getattr(m, "vocab", None) for m in ms]
+    if strategy == "auto" and layout.num_bonus >= 1 and bool(tree.is_chain[args.idx].all()):
+        return _from_chain(fill_checked(args), args.nd)
+    held = claim(args.matchers, args.keys, "matchers")
+    try:
+        return _fill_tree(args, tree, strategy)
+    finally:
+        release(held)
+
+
+def _fill_tree(args: FillArgs, tree: DraftTree, strategy: str) -> TreeMasks:
+    """Walk every grammar request's tree (the caller holds the matchers) and write its rows."""
+    layout = tree.layout
+    ms, idx, d, nd, row0, total, vocabs = args.matchers, args.idx, args.d, args.nd, args.row0, args.total, args.vocabs
+    bitmask = args.bitmask
+    g_count = len(ms)
     # One slot per grammar request (each walker writes only its own): a request that fails, and why.
-    errors: list[GrammarError | None] = [None] * g_count
-    if total:
-        v0 = next((v for v in vocabs if v is not None), None)
-        if v0 is not None:
-            check_bitmask(bitmask, total - 1, v0)
-        elif not isinstance(bitmask, torch.Tensor) or bitmask.dim() != 2 or bitmask.shape[0] < total:
-            raise GrammarError(
-                f"bitmask: expected a 2-D tensor with at least {total} rows, got {type(bitmask).__name__}"
-            )
-        for g, v in enumerate(vocabs):
-            if v is None:
-                continue
-            if v0 is not None and v.mask_words != v0.mask_words:
-                raise GrammarError(
-                    f"matchers[{g}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
-                    f"got {v.mask_words}"
-                )
-            k = int(nd[g])
-            bad = (d[g, :k] < 0) | (d[g, :k] >= v.vocab_size)
-            if bad.any():
-                p = int(np.argmax(bad))
-                # This request fails alone; it is not walked.
-                errors[g] = GrammarError(
-                    f"tokens[{g}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(d[g, p])}"
-                )
+    errors: list[GrammarError | None] = [args.errors.get(g) for g in range(g_count)]
     width = int(nd.max()) if g_count else 0
     valid = np.zeros((g_count, width), dtype=bool)
     filled = np.zeros((g_count, width + 1), dtype=bool)
@@ -391,20 +331,10 @@ def fill_tree_masks(
         else:
             errors[g] = _walk_dfs(m, g, d[g, :k], par, bitmask, a, n_rows, eos[g], valid[g], filled[g])
 
-    n_threads = _THREADS if threads is None else int(threads)
-    pooled = n_threads > 1 and g_count > 1 and all(getattr(m, "releases_gil", False) for m in ms)
-    if pooled:
-        workers = min(n_threads, g_count)
-
-        def chunk(part: list[int]) -> None:
-            for g in part:
-                one(g)
-
-        # Interleaved chunks balance grammars of different cost across the workers.
-        list(shared_pool(workers).map(chunk, [list(range(g_count))[i::workers] for i in range(workers)]))
-    else:
-        for g in range(g_count):
-            one(g)
+    pooled = args.n_threads > 1 and g_count > 1 and all(getattr(m, "releases_gil", False) for m in ms)
+    # Every walk has ended when spread_tasks returns or raises (an interrupt included): the
+    # claim on the matchers is given back only after that.
+    spread_tasks(one, g_count, args.n_threads if pooled else 1)
 
     found = {g: e for g, e in enumerate(errors) if e is not None}
     failed = list(found)
@@ -459,8 +389,8 @@ def _stop_rows(
 def _from_chain(dm: DraftMasks, nd: IntArray) -> TreeMasks:
     """A chain's :class:`DraftMasks` as per-node flags (node ``j`` valid below the accepted prefix).
 
-    A failed request keeps its error; one about its drafts names them as
-    this call's ``tokens``.
+    A failed request keeps its error (errors about token ids already name
+    them ``tokens``: the chain fill was given this call's checked arguments).
     """
     g = nd.shape[0]
     width = int(nd.max()) if g else 0
@@ -472,12 +402,5 @@ def _from_chain(dm: DraftMasks, nd: IntArray) -> TreeMasks:
     request = np.asarray(dm.request, dtype=np.int64)
     if not dm.failed:
         return TreeMasks(request=request, valid=valid, forced=forced & valid)
-    report: dict[int, GrammarError] = {}
-    for r, err in dm.failed.items():
-        text = str(err)
-        if text.startswith("drafts["):
-            renamed = GrammarError("tokens" + text[len("drafts") :])
-            renamed.__cause__ = err.__cause__
-            err = renamed
-        report[int(r)] = err
+    report = {int(r): err for r, err in dm.failed.items()}
     return TreeMasks(request=request, valid=valid, forced=forced & valid, failed=MappingProxyType(report))

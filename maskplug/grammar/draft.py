@@ -60,7 +60,7 @@ from ..errors import GrammarError, LayoutError
 from ..layout import GrammarRows, ScheduledLayout
 from .checks import brief_error, check_bitmask
 from .jobs import Claim, DraftMasksJob, claim, release
-from .pools import shared_pool
+from .pools import spread_tasks
 from .protocols import BatchOps, ChainOps, Matcher
 from .rows import stop_row
 
@@ -73,18 +73,28 @@ IntArray = npt.NDArray[np.int64]
 _STRATEGIES = ("auto", "chains", "batch", "threads", "serial")
 
 
-def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple[IntArray, IntArray]:
+def _drafts_matrix(
+    drafts: Any, layout: ScheduledLayout, idx: IntArray, arg: str = "drafts"
+) -> tuple[IntArray, IntArray]:
     """Drafts as a (grammar requests × max drafts) int64 matrix padded with -1, and their counts.
 
     ``drafts`` is either one sequence per grammar request (rows order) or one
-    flat 1-D array of every scheduled draft in batch order.
+    flat 1-D array of every scheduled draft in batch order; errors name it
+    ``arg`` (``tokens`` for the nodes of draft trees).
     """
+    what = "node" if arg == "tokens" else "draft"
     nd = layout.num_drafts[idx]
     width = int(nd.max()) if nd.size else 0
     out = np.full((idx.shape[0], width), -1, dtype=np.int64)
+    given = type(drafts).__name__
     if isinstance(drafts, torch.Tensor):
         drafts = drafts.detach().cpu().numpy()
-    flat = isinstance(drafts, np.ndarray) and drafts.ndim == 1
+    if isinstance(drafts, np.ndarray) and drafts.ndim != 1:
+        raise LayoutError(
+            f"{arg}: expected one token sequence per grammar request or a flat 1-D array, "
+            f"got a {drafts.ndim}-D {given} of shape {drafts.shape}"
+        )
+    flat = isinstance(drafts, np.ndarray)
     if not flat and isinstance(drafts, Sequence) and not isinstance(drafts, (str, bytes)):
         # A list of ints is the flat form; an empty list is flat only when nothing was drafted.
         flat = (len(drafts) > 0 and isinstance(drafts[0], (int, np.integer))) or (
@@ -95,11 +105,11 @@ def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple
         if arr.size == 0 and arr.ndim == 1:
             arr = arr.astype(np.int64)  # [] is a float array to numpy
         if arr.dtype.kind not in "iu":
-            raise LayoutError(f"drafts: expected integer token ids, got dtype {arr.dtype}")
+            raise LayoutError(f"{arg}: expected integer token ids, got dtype {arr.dtype}")
         total = layout.total_drafts
         if arr.shape[0] != total:
             raise LayoutError(
-                f"drafts: a flat array must hold every scheduled draft in batch order, "
+                f"{arg}: a flat array must hold every scheduled {what} in batch order, "
                 f"expected {total} (sum of num_drafts), got {arr.shape[0]}"
             )
         starts = np.zeros(layout.n + 1, dtype=np.int64)
@@ -111,9 +121,9 @@ def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple
             out[valid] = arr[src[valid]]
         return out, nd
     if not isinstance(drafts, Sequence) or isinstance(drafts, (str, bytes)):
-        raise LayoutError(f"drafts: expected one token sequence per grammar request, got {type(drafts).__name__}")
+        raise LayoutError(f"{arg}: expected one token sequence per grammar request, got {type(drafts).__name__}")
     if len(drafts) != idx.shape[0]:
-        raise LayoutError(f"drafts: expected {idx.shape[0]} sequences (one per grammar request), got {len(drafts)}")
+        raise LayoutError(f"{arg}: expected {idx.shape[0]} sequences (one per grammar request), got {len(drafts)}")
     if width and bool(np.all(nd == width)) and all(isinstance(x, list) for x in drafts):
         # The common case (equal-length lists of ints) converts in one call.
         try:
@@ -126,10 +136,10 @@ def _drafts_matrix(drafts: Any, layout: ScheduledLayout, idx: IntArray) -> tuple
     for g, d in enumerate(drafts):
         a = np.asarray(d.detach().cpu().numpy() if isinstance(d, torch.Tensor) else d)
         if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-            raise LayoutError(f"drafts[{g}]: expected a 1-D sequence of token ids, got shape {a.shape} {a.dtype}")
+            raise LayoutError(f"{arg}[{g}]: expected a 1-D sequence of token ids, got shape {a.shape} {a.dtype}")
         if a.shape[0] != nd[g]:
             raise LayoutError(
-                f"drafts[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
+                f"{arg}[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
                 f"{layout.req_ids[idx[g]]!r}, got {a.shape[0]}"
             )
         out[g, : a.shape[0]] = a
@@ -188,7 +198,8 @@ class _Walk:
     the single-token flags a chain operation reported per bitmask row
     (``row_forced``, valid where ``known``) and the requests that failed
     (``errors``, by grammar request; a failed request is never touched
-    again). Each walker touches only its own requests' entries.
+    again). ``arg`` is the name the drafts go by in errors (``tokens`` for
+    a tree call). Each walker touches only its own requests' entries.
     """
 
     matchers: Sequence[Matcher]
@@ -202,6 +213,7 @@ class _Walk:
     total: int
     vocabs: Sequence[Any] = ()
     errors: dict[int, GrammarError] = field(default_factory=dict)
+    arg: str = "drafts"
     alive: npt.NDArray[np.bool_] = field(init=False)
     accepted: IntArray = field(init=False)
     acceptable: IntArray = field(init=False)
@@ -325,7 +337,7 @@ def _walk_one(w: _Walk, g: int) -> None:
                 w.acceptable[g] = p + 1
                 break
     except Exception as exc:
-        doing = f"fill of row {p}" if filling else f"accept of drafts[{g}][{p}] = {int(d[p])}"
+        doing = f"fill of row {p}" if filling else f"accept of {w.arg}[{g}][{p}] = {int(d[p])}"
         _fail(w, g, exc, f"in its {doing}")
         return
     _rollback_one(w, g)
@@ -368,17 +380,27 @@ def _rollback_one(w: _Walk, g: int, k: int | None = None) -> None:
         w.errors[g] = err
 
 
-def _counts(ms: Sequence[Matcher], members: Sequence[int]) -> list[int | None]:
-    """Each member's ``num_accepted`` where its matcher keeps one (None otherwise, or when asking fails)."""
+def _counts(w: _Walk, members: Sequence[int]) -> list[int | None]:
+    """Each member's ``num_accepted`` where its matcher keeps one (None otherwise).
+
+    A member whose ``num_accepted`` raises fails alone (:func:`_fail`: what
+    the walk accepted is rolled back, the request is not walked again) and
+    counts as None; a failed member is not asked.
+    """
+    ms = w.matchers
     try:
         # One pass without per-member checks (this runs before every position-major walk).
         raw = [getattr(ms[g], "num_accepted", None) for g in members]
     except Exception:
         raw = []
         for g in members:
+            if g in w.errors:
+                raw.append(None)
+                continue
             try:
                 raw.append(getattr(ms[g], "num_accepted", None))
-            except Exception:
+            except Exception as exc:
+                _fail(w, g, exc, "in num_accepted")
                 raw.append(None)
     if all(type(n) is int for n in raw):
         return raw
@@ -393,7 +415,7 @@ def _unwind(w: _Walk, members: Sequence[int], base: Sequence[int | None]) -> Non
     (a batch operation that raises is taken to have moved none of the
     matchers it was given).
     """
-    now = _counts(w.matchers, members)
+    now = _counts(w, members)
     for g, b, n in zip(members, base, now, strict=True):
         if g in w.errors:
             continue
@@ -492,6 +514,111 @@ def _check_threads(threads: Any) -> int:
 
 
 @dataclass
+class FillArgs:
+    """Checked arguments of a fill, shared by :func:`fill_draft_masks` and :func:`maskplug.fill_tree_masks`.
+
+    Taken from the arguments by :func:`check_fill_args` before any row is
+    written or any matcher is touched: the matchers (a list of distinct
+    :class:`Matcher` objects) and their ids, the grammar requests' batch
+    indices (``idx``), their tokens as a matrix padded with -1 (``d``) and
+    counts (``nd``), each request's first bitmask row (``row0``), the rows in
+    all (``total``), each matcher's vocabulary (or None), the requests that
+    fail before any walk (``errors``: a token id outside the vocabulary,
+    naming ``arg``), the pool size and the argument name the tokens go by.
+    """
+
+    matchers: list[Matcher]
+    keys: list[int]
+    layout: ScheduledLayout
+    idx: IntArray
+    d: IntArray
+    nd: IntArray
+    row0: IntArray
+    total: int
+    vocabs: list[Any]
+    errors: dict[int, GrammarError]
+    n_threads: int
+    bitmask: torch.Tensor
+    arg: str
+
+
+def check_fill_args(
+    matchers: Any, tokens: Any, bitmask: Any, rows: Any, layout: Any, threads: Any, *, arg: str = "drafts"
+) -> FillArgs:
+    """Check the arguments every fill takes, in one place for chains and trees (no matcher state is read).
+
+    ``rows`` a :class:`GrammarRows`, ``layout`` a :class:`ScheduledLayout`,
+    ``threads`` None or an int >= 0, ``matchers`` one distinct
+    :class:`Matcher` per grammar request, ``tokens`` (named ``arg`` in the
+    errors) one sequence per grammar request or one flat array in batch
+    order, of integer ids and the scheduled lengths, and ``bitmask`` a
+    contiguous CPU int32 tensor with the rows and the vocabulary's width.
+    A bad one raises :class:`LayoutError` or :class:`GrammarError` naming
+    it. A request whose token ids fall outside its vocabulary (or are
+    negative) is not refused: it is recorded in ``errors`` and fails alone.
+    """
+    if not isinstance(rows, GrammarRows):
+        raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
+    if not isinstance(layout, ScheduledLayout):
+        raise LayoutError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
+    n_threads = _check_threads(threads)
+    idx = rows.batch_indices(layout)
+    per = rows.rows_per_request(layout)
+    g_count = int(idx.shape[0])
+    ms, keys = _check_matchers(matchers, g_count)
+    d, nd = _drafts_matrix(tokens, layout, idx, arg)
+    total = int(per.sum())
+    row0 = np.zeros(g_count, dtype=np.int64)
+    if g_count > 1:
+        np.cumsum(per[:-1], out=row0[1:])
+
+    vocabs = [getattr(m, "vocab", None) for m in ms]
+    v0 = next((v for v in vocabs if v is not None), None)
+    if total:
+        if v0 is not None:
+            check_bitmask(bitmask, total - 1, v0)
+        elif (
+            not isinstance(bitmask, torch.Tensor)
+            or bitmask.dtype != torch.int32
+            or bitmask.device.type != "cpu"
+            or bitmask.dim() != 2
+            or bitmask.shape[0] < total
+            or not bitmask.is_contiguous()
+        ):
+            raise GrammarError(
+                f"bitmask: expected a contiguous 2-D CPU int32 tensor with at least {total} rows, "
+                f"got {type(bitmask).__name__} {getattr(bitmask, 'shape', '')}"
+            )
+    # One vectorised range check per distinct vocabulary (usually one): a
+    # request with a token id outside its vocabulary fails alone.
+    errors: dict[int, GrammarError] = {}
+    if total:
+        by_vocab: dict[int, tuple[Any, list[int]]] = {}
+        for g, v in enumerate(vocabs):
+            if v is not None:
+                by_vocab.setdefault(id(v), (v, []))[1].append(g)
+        cols = np.arange(d.shape[1])
+        for v, members in by_vocab.values():
+            mem = np.asarray(members, dtype=np.int64)
+            if v0 is not None and v.mask_words != v0.mask_words:
+                raise GrammarError(
+                    f"matchers[{members[0]}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
+                    f"got {v.mask_words}"
+                )
+            sub = d[mem]
+            bad = (cols[None, :] < nd[mem][:, None]) & ((sub < 0) | (sub >= v.vocab_size))
+            if np.any(bad):
+                for i in np.flatnonzero(bad.any(axis=1)).tolist():
+                    p = int(np.argmax(bad[i]))  # the first bad position of this request
+                    errors[int(mem[i])] = GrammarError(
+                        f"{arg}[{int(mem[i])}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
+                    )
+    return FillArgs(
+        ms, keys, layout, idx, d, nd, row0, total, vocabs, dict(sorted(errors.items())), n_threads, bitmask, arg
+    )
+
+
+@dataclass
 class _Plan:
     """A checked fill: everything the walks need, taken from the arguments before anything is written."""
 
@@ -513,70 +640,47 @@ def _plan(
     active_from: Any,
     strategy: Any,
 ) -> _Plan:
-    """Check every argument (no matcher state is read, nothing is written)."""
+    """Check every argument of :func:`fill_draft_masks` (no matcher state is read, nothing is written)."""
     if not isinstance(strategy, str) or strategy not in _STRATEGIES:
         raise LayoutError(f"strategy: expected one of {_STRATEGIES}, got {strategy!r:.80}")
-    if not isinstance(rows, GrammarRows):
-        raise LayoutError(f"rows: expected a GrammarRows, got {type(rows).__name__}")
-    if not isinstance(layout, ScheduledLayout):
-        raise LayoutError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
-    n_threads = _check_threads(threads)
-    idx = rows.batch_indices(layout)
-    per = rows.rows_per_request(layout)
-    g_count = int(idx.shape[0])
-    ms, keys = _check_matchers(matchers, g_count)
-    d, nd = _drafts_matrix(drafts, layout, idx)
-    need = nd + layout.num_bonus
-    gate = _gate(active_from, g_count)
-    total = int(per.sum())
-    row0 = np.zeros(g_count, dtype=np.int64)
-    if g_count > 1:
-        np.cumsum(per[:-1], out=row0[1:])
+    args = check_fill_args(matchers, drafts, bitmask, rows, layout, threads)
+    gate = _gate(active_from, len(args.matchers))
+    return plan_of(args, gate, strategy)
 
-    vocabs = [getattr(m, "vocab", None) for m in ms]
-    if total:
-        v0 = next((v for v in vocabs if v is not None), None)
-        if v0 is not None:
-            check_bitmask(bitmask, total - 1, v0)
-        elif (
-            not isinstance(bitmask, torch.Tensor)
-            or bitmask.dtype != torch.int32
-            or bitmask.device.type != "cpu"
-            or bitmask.dim() != 2
-            or bitmask.shape[0] < total
-            or not bitmask.is_contiguous()
-        ):
-            raise GrammarError(
-                f"bitmask: expected a contiguous 2-D CPU int32 tensor with at least {total} rows, "
-                f"got {type(bitmask).__name__} {getattr(bitmask, 'shape', '')}"
-            )
-    # One vectorised range check per distinct vocabulary (usually one): a
-    # request with a draft id outside its vocabulary fails alone.
-    errors: dict[int, GrammarError] = {}
-    if total:
-        by_vocab: dict[int, tuple[Any, list[int]]] = {}
-        for g, v in enumerate(vocabs):
-            if v is not None:
-                by_vocab.setdefault(id(v), (v, []))[1].append(g)
-        cols = np.arange(d.shape[1])
-        for v, members in by_vocab.values():
-            mem = np.asarray(members, dtype=np.int64)
-            if v0 is not None and v.mask_words != v0.mask_words:
-                raise GrammarError(
-                    f"matchers[{members[0]}]: expected a vocabulary of {v0.mask_words} mask words like the others, "
-                    f"got {v.mask_words}"
-                )
-            sub = d[mem]
-            bad = (cols[None, :] < nd[mem][:, None]) & ((sub < 0) | (sub >= v.vocab_size))
-            if np.any(bad):
-                for i in np.flatnonzero(bad.any(axis=1)).tolist():
-                    p = int(np.argmax(bad[i]))  # the first bad position of this request
-                    errors[int(mem[i])] = GrammarError(
-                        f"drafts[{int(mem[i])}][{p}]: expected a token id in [0, {v.vocab_size}), got {int(sub[i, p])}"
-                    )
 
-    walk = _Walk(ms, d, nd, need, gate, row0, _eos_sets(vocabs), bitmask, total, vocabs, errors)
-    return _Plan(walk, keys, idx, row0, strategy, n_threads)
+def plan_of(args: FillArgs, gate: IntArray | None = None, strategy: str = "auto") -> _Plan:
+    """The walk plan of checked arguments (``gate``: the reasoning gate, default none)."""
+    g_count = len(args.matchers)
+    gate = np.zeros(g_count, dtype=np.int64) if gate is None else gate
+    need = args.nd + args.layout.num_bonus
+    walk = _Walk(
+        args.matchers,
+        args.d,
+        args.nd,
+        need,
+        gate,
+        args.row0,
+        _eos_sets(args.vocabs),
+        args.bitmask,
+        args.total,
+        args.vocabs,
+        dict(args.errors),
+        arg=args.arg,
+    )
+    return _Plan(walk, args.keys, args.idx, args.row0, strategy, args.n_threads)
+
+
+def fill_checked(args: FillArgs) -> DraftMasks:
+    """:func:`fill_draft_masks` (``strategy="auto"``, no gate) on arguments :func:`check_fill_args` checked.
+
+    The matchers are claimed for the call, as by :func:`fill_draft_masks`.
+    """
+    plan = plan_of(args)
+    held = claim(plan.walk.matchers, plan.keys, "matchers")
+    try:
+        return _produce(plan)
+    finally:
+        release(held)
 
 
 def _produce(plan: _Plan) -> DraftMasks:
@@ -632,7 +736,7 @@ def _produce(plan: _Plan) -> DraftMasks:
                 # The chain operation leaves its matchers where they started, also on error.
                 _redo_serially(walk, members, f"{type(cops).__name__}.fill_chains", exc)
         for ops, members in groups.values():
-            base = _counts(ms, members)
+            base = _counts(walk, members)
             try:
                 _walk_batched(walk, ops, np.asarray(members, dtype=np.int64))
             except Exception as exc:
@@ -644,7 +748,8 @@ def _produce(plan: _Plan) -> DraftMasks:
                 try:
                     ops.rollback([ms[g] for g in back], walk.accepted[back].tolist())
                 except Exception:
-                    _unwind(walk, back, [base[members.index(g)] for g in back])
+                    where = {g: i for i, g in enumerate(members)}
+                    _unwind(walk, back, [base[where[g]] for g in back])
                 else:
                     walk.accepted[back] = 0
         if single:
@@ -655,25 +760,13 @@ def _produce(plan: _Plan) -> DraftMasks:
                 and all(getattr(ms[g], "releases_gil", False) for g in single)
             )
 
-            def chunk(part: list[int]) -> None:
-                for g in part:
-                    _walk_one(walk, g)
-
-            if pooled:
-                # Interleaved chunks balance grammars of different cost across the workers.
-                workers = min(n_threads, len(single))
-                parts = [single[i::workers] for i in range(workers)]
-                list(shared_pool(workers).map(chunk, parts))
-            else:
-                chunk(single)
-    except BaseException:
-        # Interrupted (or a bug): restore every matcher still advanced, whatever happened above.
-        for g in np.flatnonzero(walk.accepted).tolist():
-            try:
-                ms[g].rollback(int(walk.accepted[g]))
-            except Exception:
-                pass
-            walk.accepted[g] = 0
+            # Each worker takes the next request when free (grammars differ in cost). The
+            # pool's walks are all done before spread_tasks returns or raises, so an
+            # interrupt never leaves a walker running on matchers this call gives back.
+            spread_tasks(lambda i: _walk_one(walk, single[i]), len(single), n_threads if pooled else 1)
+    except BaseException as exc:
+        # Interrupted (or a bug): every walk has ended; restore every matcher still advanced.
+        restore_after_interrupt(walk.matchers, walk.accepted, exc)
         raise
 
     failed = sorted(errors)
@@ -707,6 +800,39 @@ def _produce(plan: _Plan) -> DraftMasks:
         forced=forced,
         failed=MappingProxyType({int(plan.idx[g]): errors[g] for g in failed}),
     )
+
+
+def undo_after_interrupt(matcher: Matcher, g: int, k: int, exc: BaseException, what: str = "drafts") -> None:
+    """Roll ``matcher`` (request ``g``) back by the ``k`` tokens a walk stopped by ``exc`` left it advanced by.
+
+    ``exc`` (an interrupt, or a bug) is about to be raised for the whole call,
+    so a rollback that raises cannot fail its request in a result: it is
+    logged as an error and added to ``exc`` as a note naming ``matchers[g]``
+    (the matcher is not where it started and should be dropped), and ``exc``
+    is still what the call raises.
+    """
+    if k <= 0:
+        return
+    try:
+        matcher.rollback(k)
+    except Exception as back:
+        msg = (
+            f"matchers[{g}]: rolling back the {k} {what} it had accepted, after the fill was stopped by "
+            f"{type(exc).__name__}, raised {type(back).__name__} ({brief_error(back)}): the matcher is not "
+            "where it started and should be dropped"
+        )
+        logger.error(msg)
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+
+        if add_note is not None:
+            add_note(msg)
+
+
+def restore_after_interrupt(matchers: Sequence[Matcher], accepted: IntArray, exc: BaseException) -> None:
+    """:func:`undo_after_interrupt` for every matcher a stopped walk left advanced (``accepted`` is zeroed)."""
+    for g in np.flatnonzero(accepted).tolist():
+        k = int(accepted[g])
+        accepted[g] = 0
+        undo_after_interrupt(matchers[g], g, k, exc)
 
 
 def _write_stop_rows(w: _Walk, failed: Sequence[int]) -> None:
@@ -845,6 +971,13 @@ def fill_draft_masks(
     ``fill``, ``rollback``, ...) are not guarded: do not call them on a
     matcher while a call or an unfinished job holds it. The bitmask is not
     guarded either: calls running at once must be given different rows.
+    A call stopped as a whole (``KeyboardInterrupt``, or any exception that
+    is not a request's own failure) raises only after every walk it started
+    on the pool has ended and every matcher is back where it started, so
+    nothing touches the matchers once the call has raised; a rollback that
+    raises then is logged (logger ``maskplug.draft``) and added to the
+    exception as a note naming ``matchers[g]``, and the interrupt is still
+    what the call raises.
 
     Args:
         matchers: one matcher per grammar request, in ``rows`` order (each

@@ -72,7 +72,9 @@ def spread_tasks(task: Callable[[int], None], n: int, workers: int) -> None:
     Chains differ in cost by two orders of magnitude (grammar and state), so
     fixed shares would leave one worker with most of the work.
 
-    Every task has finished, or will never start, when this returns or
+    The calling thread runs tasks too, except on the main thread, where it
+    only waits: an interrupt (delivered there) then never stops a task half
+    way. Every task has finished, or will never start, when this returns or
     raises. The first exception (the caller's own first, an interrupt
     included) stops the workers from taking new indices and is raised once
     the running tasks are done; indices not reached are not run.
@@ -97,16 +99,23 @@ def spread_tasks(task: Callable[[int], None], n: int, workers: int) -> None:
                 raise
 
     pool = shared_pool(workers)
+    # Signals are handled on the main thread, between any two bytecodes: a task interrupted
+    # there could stop between an engine call and the bookkeeping of what it did. So on the
+    # main thread the tasks all run on the pool and the caller only waits (an interrupt lands
+    # in the wait); elsewhere the calling thread is one of the workers (it would only wait).
+    on_main = threading.current_thread() is threading.main_thread()
     futures: list[Future[None]] = []
     first: BaseException | None = None
     try:
-        for _ in range(workers - 1):
+        for _ in range(workers if on_main else workers - 1):
             try:
                 futures.append(pool.submit(worker))
             except RuntimeError:  # interpreter shutting down: no new threads; the caller does the rest
                 break
-        # The calling thread is one of the workers: it would only wait otherwise.
-        worker()
+        if on_main and futures:
+            wait(futures)
+        else:
+            worker()
     except BaseException as exc:
         stop.set()
         first = exc
