@@ -26,6 +26,7 @@ __all__ = [
     "GrammarSpec",
     "Vocab",
     "schema_keywords",
+    "strict_keys_schema",
 ]
 
 #: A tokenizer's encoder: text to model token ids (no special tokens added).
@@ -57,9 +58,18 @@ class GrammarSpec:
       JSON whitespace between JSON items) or ``"compact"`` (none: ``,`` and
       ``:`` with nothing around them). JSON kinds only.
     * ``strict_keys``: True (default, xgrammar's and vLLM's default) makes an
-      object schema without ``additionalProperties`` allow only its listed
-      keys, as if it said ``"additionalProperties": false``; False keeps the
-      JSON Schema meaning (unlisted keys allowed).
+      object allow only the keys its schema *names* for it: ``properties``,
+      ``required`` and ``patternProperties`` of the object's schema, its
+      ``allOf`` members and ``$ref`` targets, and in an ``anyOf``/``oneOf``
+      branch that branch's own (see :func:`strict_keys_schema`), as if each
+      said ``"additionalProperties": false`` over all of them; a required
+      key listed in another branch or a ``$ref``'d base stays allowed, so no
+      schema is made unsatisfiable. An object schema that names no key (a
+      bare ``{"type": "object"}``, ``json_object``) stays open: any keys, as
+      in xgrammar's strict mode; ``"properties": {}`` allows none. An
+      explicit ``additionalProperties`` (or ``unevaluatedProperties``) other
+      than false keeps that object open. False keeps the JSON Schema meaning
+      (unlisted keys allowed).
     * ``unsupported``: what to do with schema keywords the engine does not
       enforce: ``"ignore"`` (default: compile without them and report each in
       the compiled grammar's ``warnings``) or ``"refuse"`` (raise
@@ -75,9 +85,11 @@ class GrammarSpec:
          flexible     (vLLM: the same)         (vLLM: the same)                space; vLLM: the same)
         whitespace    any_whitespace=False,    whitespace_flexible=False,      whitespace_pattern=""
          compact      separators (",", ":")    separators "," and ":"
-        strict_keys   strict_mode=True         schema gets additionalProperties  what it always does
-         True         (vLLM: the same)         false where unsaid (vLLM: only with
-                                               guidance_disable_additional_properties)
+        strict_keys   strict_mode=True         strict_keys_schema(schema):     what it always does
+         True         (vLLM: the same)         closed to the names of each     (only listed keys)
+                                               object (vLLM: additionalProperties
+                                               false with guidance_disable_
+                                               additional_properties)
         strict_keys   strict_mode=False        the schema as it is             GrammarError naming
          False                                 (vLLM's default for guidance)   strict_keys (open objects)
         unsupported   compiles; its C++        lenient=True; its warnings      maskplug's keyword check,
@@ -85,8 +97,14 @@ class GrammarSpec:
         unsupported   GrammarError naming      lenient=False: GrammarError     GrammarError naming
          refuse       unsupported + warnings   naming unsupported              unsupported + keywords
 
-    Known gap: xgrammar leaves some keywords out without a warning (for
+    Known gaps: xgrammar leaves some keywords out without a warning (for
     example ``uniqueItems``), so ``warnings`` lists only what the engine says.
+    Under ``strict_keys=True`` xgrammar closes an object with ``required``
+    but no ``properties`` to no key at all, ignores a parent's
+    ``properties`` beside ``anyOf`` and reads ``allOf`` of several members as
+    any value; outlines-core reads compositions its own way (``allOf``
+    members one after another, a parent's ``properties`` beside ``anyOf``
+    ignored).
     """
 
     kind: str
@@ -431,3 +449,275 @@ class Vocab:
     def __repr__(self) -> str:
         enc = f"encoder={self._encoder_name!r}" if self._encoder_name is not None else "no encoder (byte table only)"
         return f"Vocab({len(self.tokens)} tokens, eos={list(self.eos_ids)}, vocab_size={self.vocab_size}, {enc})"
+
+
+# -- strict keys --------------------------------------------------------------------------------------------------
+# Keywords whose subschemas apply to the same instance as the schema holding them (one object "position").
+_SAME_INSTANCE_LISTS = ("allOf", "anyOf", "oneOf")
+_SAME_INSTANCE_ONE = ("if", "then", "else")
+# Keywords that make an object schema say something about keys (so strict keys may close it).
+_OBJECT_KEYWORDS = frozenset(
+    {"properties", "patternProperties", "required", "dependentRequired", "dependentSchemas", "minProperties"}
+)
+# Keywords whose value is data or names, never a subschema.
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "example", "required", "dependentRequired", "type"})
+# The names and patterns an object is closed to.
+_Names = tuple[tuple[str, ...], tuple[str, ...]]
+# Where specialised copies of $ref targets go in the root schema.
+_CLOSED_DEF = "maskplug_closed_"
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` (``#`` or ``#/a/b``) names in ``root``; raises KeyError when it names none."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        raise KeyError(ref)
+    from urllib.parse import unquote
+
+    node = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit():
+            node = node[int(part)]
+        else:
+            raise KeyError(ref)
+    return node
+
+
+def _nested_ids(root: dict[str, Any]) -> bool:
+    """Whether a subschema below ``root`` declares an ``$id`` (or draft-04 ``id``) of its own."""
+    todo: list[Any] = [root]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if node is not root and (isinstance(node.get("$id"), str) or isinstance(node.get("id"), str)):
+                return True
+            for k, v in node.items():
+                if k in _NAMED and isinstance(v, dict):
+                    todo.extend(v.values())
+                elif k not in _NOT_SCHEMAS and k not in ANNOTATIONS:
+                    todo.append(v)
+    return False
+
+
+class _Closer:
+    """The rewrite behind :func:`strict_keys_schema` for one root schema."""
+
+    def __init__(self, root: dict[str, Any]) -> None:
+        self.root = root
+        self.defs: dict[str, Any] = {}
+        self.memo: dict[tuple[str, Any], str] = {}
+        defs = root.get("$defs")
+        taken: dict[str, Any] = defs if isinstance(defs, dict) else {}
+        self.prefix = _CLOSED_DEF
+        while any(str(k).startswith(self.prefix) for k in taken):
+            self.prefix = "_" + self.prefix
+        # A nested $id starts a resource whose refs resolve against it, not the root: such
+        # schemas keep their refs as they are (maskplug resolves only pointers into the root).
+        self.follow_refs = not _nested_ids(root)
+
+    def resolve(self, ref: str) -> Any:
+        """The local target of ``ref``; KeyError when maskplug does not resolve it."""
+        if not self.follow_refs:
+            raise KeyError(ref)
+        return _pointer(self.root, ref)
+
+    def group(self, node: Any) -> tuple[tuple[str, ...], tuple[str, ...], bool, bool]:
+        """Names, patterns, whether some member keeps unnamed keys open, whether some member lists keys.
+
+        The members are ``node`` and, recursively, the subschemas of its
+        ``allOf``/``anyOf``/``oneOf``/``if``/``then``/``else``/``dependentSchemas``
+        and the local targets of its ``$ref``. A ``$ref`` maskplug cannot
+        resolve counts as open (its keys are unknown).
+        """
+        # dicts, not sets: names are added to members in the order the schema names them
+        names: dict[str, None] = {}
+        patterns: dict[str, None] = {}
+        is_open = lists = False
+        seen: set[int] = set()
+        todo = [node]
+        while todo:
+            m = todo.pop()
+            if not isinstance(m, dict) or id(m) in seen:
+                continue
+            seen.add(id(m))
+            props = m.get("properties")
+            if isinstance(props, dict):
+                names.update(dict.fromkeys(str(k) for k in props))
+                lists = True
+            pats = m.get("patternProperties")
+            if isinstance(pats, dict):
+                patterns.update(dict.fromkeys(str(k) for k in pats))
+                lists = True
+            req = m.get("required")
+            if isinstance(req, list):
+                names.update(dict.fromkeys(str(k) for k in req))
+            dep = m.get("dependentRequired")
+            if isinstance(dep, dict):
+                for k, v in dep.items():
+                    names[str(k)] = None
+                    if isinstance(v, list):
+                        names.update(dict.fromkeys(str(x) for x in v))
+            for kw in ("additionalProperties", "unevaluatedProperties"):
+                if kw in m and m[kw] is not False:
+                    is_open = True
+            for kw in _SAME_INSTANCE_LISTS:
+                if isinstance(m.get(kw), list):
+                    todo.extend(m[kw])
+            for kw in _SAME_INSTANCE_ONE:
+                if kw in m:
+                    todo.append(m[kw])
+            ds = m.get("dependentSchemas")
+            if isinstance(ds, dict):
+                names.update(dict.fromkeys(str(k) for k in ds))
+                todo.extend(ds.values())
+            ref = m.get("$ref")
+            if isinstance(ref, str):
+                try:
+                    todo.append(self.resolve(ref))
+                except (KeyError, IndexError, TypeError):
+                    is_open = True
+        return tuple(names), tuple(patterns), is_open, lists
+
+    def position(self, node: Any) -> Any:
+        """``node`` rewritten as the whole schema of one instance value."""
+        if not isinstance(node, dict):
+            return node
+        names, patterns, is_open, lists = self.group(node)
+        close = not is_open and (lists or bool(names) or bool(patterns))
+        return self.member(node, ((), ()) if close else None)
+
+    def closing(self, ctx: _Names, node: Any, drop: tuple[str, ...] = ()) -> _Names:
+        """``ctx`` with the names and patterns of ``node``'s group (``node`` without its keys ``drop``)."""
+        if drop and isinstance(node, dict):
+            node = {k: v for k, v in node.items() if k not in drop}
+        names, patterns, _, _ = self.group(node)
+        return (tuple(dict.fromkeys(ctx[0] + names)), tuple(dict.fromkeys(ctx[1] + patterns)))
+
+    def member(self, node: Any, ctx: _Names | None) -> Any:
+        """``node`` rewritten as one member of a closed position (``ctx``: the names allowed from outside it).
+
+        ``node`` itself, its ``allOf`` members, ``$ref`` targets and
+        ``dependentSchemas`` are closed to ``ctx`` plus every name of
+        ``node``'s group; a branch of its ``anyOf``/``oneOf`` (or its
+        ``then``/``else``) to ``ctx`` plus the names of ``node`` without
+        that keyword plus the branch's own: a key named only in another
+        branch is refused (as xgrammar's strict mode closes each branch),
+        while every key the mandatory part names stays allowed in each
+        branch. ``ctx`` None: not closed.
+        """
+        if not isinstance(node, dict):
+            return node
+        whole = None if ctx is None else self.closing(ctx, node)
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            if k in _NOT_SCHEMAS or k in ANNOTATIONS:
+                out[k] = v
+            elif k == "allOf" and isinstance(v, list):
+                out[k] = [self.member(x, whole) for x in v]
+            elif k in _SAME_INSTANCE_LISTS and isinstance(v, list):
+                fixed = None if ctx is None else self.closing(ctx, node, (k,))
+                out[k] = [self.member(x, fixed) for x in v]
+            elif k in ("then", "else"):
+                fixed = None if ctx is None else self.closing(ctx, node, ("then", "else"))
+                out[k] = self.member(v, fixed)
+            elif k in ("if", "not"):
+                # Conditions: closing inside them would make them fail more often, which loosens
+                # what follows (the else branch, the negation). Their names still count (group).
+                out[k] = v
+            elif k == "dependentSchemas" and isinstance(v, dict):
+                out[k] = {n: self.member(x, whole) for n, x in v.items()}
+            elif k == "$ref" and isinstance(v, str):
+                out[k] = self.ref(v, whole)
+            elif k in ("$defs", "definitions"):
+                out[k] = v  # the originals stay for refs maskplug does not rewrite
+            elif k in _NAMED and isinstance(v, dict):
+                out[k] = {n: self.position(x) for n, x in v.items()}
+            elif isinstance(v, dict):
+                out[k] = self.position(v)
+            elif isinstance(v, list):
+                out[k] = [self.position(x) for x in v]
+            else:
+                out[k] = v
+        if whole is not None and self.objectish(node) and "additionalProperties" not in node:
+            names, patterns = whole
+            if names:
+                props = dict(out.get("properties") or {})
+                for n in names:
+                    props.setdefault(n, {})
+                out["properties"] = props
+            if patterns:
+                pats = dict(out.get("patternProperties") or {})
+                for p in patterns:
+                    pats.setdefault(p, {})
+                out["patternProperties"] = pats
+            out["additionalProperties"] = False
+        return out
+
+    @staticmethod
+    def objectish(node: dict[str, Any]) -> bool:
+        t = node.get("type")
+        return bool(_OBJECT_KEYWORDS & node.keys()) or t == "object" or (isinstance(t, list) and "object" in t)
+
+    def ref(self, ref: str, ctx: _Names | None) -> str:
+        """A ``$ref`` to ``ref``'s target rewritten as a member closed to ``ctx`` (one copy per target and ctx)."""
+        try:
+            target = self.resolve(ref)
+        except (KeyError, IndexError, TypeError):
+            return ref
+        if target is self.root and isinstance(target, dict):
+            # The copy must not be a resource of its own (an id would re-base the refs inside it).
+            target = {k: v for k, v in target.items() if k not in ("$id", "id", "$schema", "$defs", "definitions")}
+        key = (ref, ctx)
+        name = self.memo.get(key)
+        if name is None:
+            name = f"{self.prefix}{len(self.memo)}"
+            self.memo[key] = name  # before the body: recursive schemas end here
+            self.defs[name] = self.member(target, ctx)
+        return f"#/$defs/{name}"
+
+
+def strict_keys_schema(schema: Any) -> Any:
+    """``schema`` with every object closed to the keys the schema names for it (``strict_keys=True``).
+
+    For each place an instance value is validated, the keys *named* for that
+    object are gathered from the schema there and every schema applying to
+    the same value: the members of ``allOf``/``anyOf``/``oneOf``,
+    ``if``/``then``/``else`` and ``dependentSchemas``, and local ``$ref``
+    targets, recursively. Names come from ``properties``, ``required``,
+    ``dependentRequired`` and ``dependentSchemas``; patterns from
+    ``patternProperties``. Every member that speaks of objects then gets
+    ``{}`` for the names and patterns it lacks and
+    ``"additionalProperties": false``: the schema itself, its ``allOf``
+    members and ``$ref`` targets allow every name of the place; a branch of
+    an ``anyOf``/``oneOf`` (or a ``then``/``else``) allows the names of the
+    rest of the place and its own, so a key only another branch names is
+    refused (as xgrammar's strict mode closes each branch). A required key
+    listed in another branch or a ``$ref``'d base stays allowed, so closing
+    makes no schema unsatisfiable. ``if`` and ``not`` are copied unchanged
+    (closing inside a condition would loosen what it guards).
+
+    Left open: a place that names nothing (a bare ``{"type": "object"}``:
+    any keys, as xgrammar's strict mode leaves it; ``"properties": {}`` does
+    close), and a place where some member says ``additionalProperties`` or
+    ``unevaluatedProperties`` other than false, or has a ``$ref`` maskplug
+    does not resolve (only JSON pointers into the root are followed, and none
+    in a schema with a nested ``$id``). ``$ref`` targets are copied into
+    ``$defs`` once per target and set of names (one target may be closed
+    differently for different referrers; recursive schemas end at the copy
+    already made). ``schema`` is not changed.
+    """
+    if not isinstance(schema, dict):
+        return schema
+    closer = _Closer(schema)
+    out = closer.position(schema)
+    if closer.defs:
+        defs = dict(out.get("$defs") or {}) if isinstance(out.get("$defs"), dict) else {}
+        defs.update(closer.defs)
+        out["$defs"] = defs
+    return out

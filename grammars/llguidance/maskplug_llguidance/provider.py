@@ -34,10 +34,13 @@ What this module normalises, so callers see maskplug's matcher semantics:
 * **Options** of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
   ``whitespace="flexible"`` is llguidance's ``whitespace_flexible`` (its
   default; vLLM's too); ``"compact"`` turns it off with separators ``,`` and
-  ``:``. ``strict_keys=True`` adds ``"additionalProperties": false`` to every
-  object schema that does not say (what vLLM's
-  ``guidance_disable_additional_properties`` does); False leaves the schema as
-  it is (llguidance follows JSON Schema: unlisted keys allowed).
+  ``:``. ``strict_keys=True`` closes every object to the keys the schema
+  names for it anywhere (across ``allOf``/``anyOf``/``oneOf`` branches and
+  ``$ref`` targets, :func:`maskplug.grammar.spec.strict_keys_schema`); a
+  plain ``"additionalProperties": false`` on each object schema (what
+  vLLM's ``guidance_disable_additional_properties`` does) made compositions
+  whose required keys sit in another branch unsatisfiable. False leaves the
+  schema as it is (llguidance follows JSON Schema: unlisted keys allowed).
   ``unsupported="ignore"`` is llguidance's ``lenient`` (unimplemented keywords
   are left out; its warnings, e.g. ``Unimplemented keys: ["uniqueItems"]``, go
   into the compiled grammar's ``warnings``); ``"refuse"`` is llguidance's
@@ -82,6 +85,7 @@ from maskplug.grammar.sdk import (
     spread_tasks,
     text_ids,
 )
+from maskplug.grammar.spec import strict_keys_schema
 
 __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
 
@@ -480,34 +484,6 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
         else:
             grammar, warns = self.worker.run(spec, limit)
         return LLGuidanceGrammar(self, spec, grammar, self._template(spec, grammar), warns)
-
-
-def strict_keys_schema(schema: Any) -> Any:
-    """``schema`` with ``"additionalProperties": false`` on every object schema that does not say otherwise.
-
-    An object schema is one with ``properties`` or ``"type": "object"``;
-    one with ``additionalProperties``, ``patternProperties`` or
-    ``unevaluatedProperties`` keeps what it says. Nested schemas are walked
-    through every keyword (a copy is returned; ``schema`` is not changed).
-    """
-    if isinstance(schema, list):
-        return [strict_keys_schema(x) for x in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in ("enum", "const", "default", "examples"):
-            out[k] = v  # data, not schemas
-        elif k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-            out[k] = {n: strict_keys_schema(s) for n, s in v.items()} if isinstance(v, dict) else v
-        else:
-            out[k] = strict_keys_schema(v)
-    t = schema.get("type")
-    is_object = "properties" in schema or t == "object" or (isinstance(t, list) and "object" in t)
-    says = any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
-    if is_object and not says and "properties" in schema:
-        out["additionalProperties"] = False
-    return out
 
 
 def grammar_text(spec: GrammarSpec) -> str:
