@@ -329,6 +329,7 @@ class _Controller:
         self.stats = _new_stats()
         self.confidences = DraftConfidences()
         self.metrics: StepMetrics | None = None
+        self.offsets: dict[str, int] = {}
         self.lock = threading.Lock()
 
     # Step 1, in the engine core: right after vLLM scheduled the step.
@@ -795,7 +796,7 @@ def current_scheduler() -> Scheduler:
 
 
 def step_stats() -> dict[str, Any]:
-    """Counters of this process's engine steps since start (or :func:`reset_step_stats`).
+    """Counters of the engine steps since start (or :func:`reset_step_stats`).
 
     Keys: ``steps`` (engine steps that ran the model), ``regimes`` (``full``,
     ``partial``, ``zero``: steps with drafts scheduled for at least one
@@ -803,6 +804,11 @@ def step_stats() -> dict[str, Any]:
     ``drafts_scheduled`` (drafts vLLM scheduled), ``drafts_verified`` (kept by
     the budget), ``drafts_accepted``, ``tokens_emitted`` (sampled tokens),
     ``structured_steps`` (the steps counted in ``regimes``), ``scheduler``.
+
+    In the process that schedules (the in-process engine core) these are its
+    own counters. In a process whose engine core runs elsewhere (``LLM(...)``
+    with vLLM's default engine-core process) they are read from the engine
+    cores' counter files (:mod:`maskplug_vllm.metrics`), summed over engines.
     Empty counters, and ``scheduler`` ``None``, when adaptive verification is off.
     """
     ctl = _controller
@@ -811,17 +817,44 @@ def step_stats() -> dict[str, Any]:
         out["scheduler"] = None
         return out
     with ctl.lock:
+        if ctl.metrics is None and (engines := metrics.read_metrics()):
+            return _from_files(engines, ctl.offsets, ctl.name)
         out = {k: dict(v) if isinstance(v, dict) else v for k, v in ctl.stats.items()}
         out["scheduler"] = ctl.name
+    return out
+
+
+_FLAT = ("steps", "drafts_scheduled", "drafts_verified", "drafts_accepted", "tokens_emitted", "structured_steps")
+
+
+def _from_files(engines: Mapping[str, Mapping[str, Any]], offsets: Mapping[str, int], name: str) -> dict[str, Any]:
+    out = _new_stats()
+    for v in engines.values():
+        for key in _FLAT:
+            out[key] += int(v[key])
+        for regime in ("full", "partial", "zero"):
+            out["regimes"][regime] += int(v[f"regime_{regime}"])
+    for key in _FLAT:
+        out[key] -= offsets.get(key, 0)
+    for regime in ("full", "partial", "zero"):
+        out["regimes"][regime] -= offsets.get(f"regime_{regime}", 0)
+    names = {str(v.get("scheduler", "")) for v in engines.values()} - {""}
+    out["scheduler"] = names.pop() if len(names) == 1 else name
     return out
 
 
 def reset_step_stats() -> None:
     """Zero the counters of :func:`step_stats`."""
     ctl = _controller
-    if ctl is not None:
-        with ctl.lock:
-            ctl.stats = _new_stats()
+    if ctl is None:
+        return
+    with ctl.lock:
+        ctl.stats = _new_stats()
+        if ctl.metrics is None and (engines := metrics.read_metrics()):
+            # The engine cores' files keep counting; from now on they are read from here.
+            now = _from_files(engines, {}, ctl.name)
+            ctl.offsets = {key: now[key] for key in _FLAT}
+            ctl.offsets.update({f"regime_{r}": now["regimes"][r] for r in ("full", "partial", "zero")})
 
 
 def _uninstall_adaptive() -> None:

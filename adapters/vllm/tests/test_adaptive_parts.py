@@ -1,0 +1,184 @@
+"""The pieces of adaptive verification that serve a multi-process engine, without an engine.
+
+* :class:`~maskplug_vllm.confidences.DraftConfidences`: live and two-steps-old
+  confidences per request, new requests at 1, finished ones forgotten;
+* the drafter wrappers: the ids vLLM's greedy sampler picks, and the
+  probability of each, per request and position, carried on ``DraftTokenIds``
+  (and through pickling, as vLLM's executor sends it);
+* the counter files and the Prometheus collector (:mod:`maskplug_vllm.metrics`),
+  and :func:`maskplug_vllm.step_stats` read from them in a process that does
+  not schedule;
+* :func:`maskplug_vllm.adaptive.check_config`: each refused setting named.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from maskplug_vllm import adaptive, confidences, metrics
+from vllm.v1.outputs import DraftTokenIds
+
+from maskplug import CostModel, PluginError
+from maskplug.schedulers import GoodputScheduler
+
+
+def test_confidences_live_and_two_steps_old() -> None:
+    dc = confidences.DraftConfidences()
+    spec = {"a": [1, 2, 3], "b": [4]}
+    assert dc.for_step(["a", "b"], spec) == (None, None)  # nothing recorded: no confidence head
+    dc.record(["a", "b"], [[0.9, 0.5, 0.2], [0.3, 0.1, 0.1]])
+    stale, live = dc.for_step(["a", "b", "c"], {**spec, "c": [5, 6]})
+    assert stale is not None and live is not None
+    # The first recording is live; nothing older exists, so the stale rows read as confidence 1.
+    assert live.tolist() == [[0.9, 0.5, 0.2], [0.3, 0.1, 0.1], [1.0, 1.0, 1.0]]
+    assert stale.tolist() == [[1.0] * 3] * 3
+    dc.record(["a"], [[0.4, 0.4, 0.4]])
+    stale, live = dc.for_step(["a", "b"], spec)
+    assert stale is not None and live is not None
+    assert live.tolist() == [[0.4, 0.4, 0.4], [0.3, 0.1, 0.1]]
+    assert stale[0].tolist() == [0.9, 0.5, 0.2] and stale[1].tolist() == [1.0] * 3
+    dc.forget(["a"])
+    stale, live = dc.for_step(["a"], spec)
+    assert stale is not None and live is not None and live.tolist() == [[1.0] * 3]
+    # Out-of-range values never reach a scheduler.
+    dc.record(["b"], [[1.5, -0.5]])
+    _, live = dc.for_step(["b"], {"b": [1, 2]})
+    assert live is not None and live.tolist() == [[1.0, 0.0]]
+
+
+class _Drafter:
+    """Just what the wrappers read of vLLM's ``SpecDecodeBaseProposer``."""
+
+    use_local_argmax_reduction = False
+    use_heterogeneous_vocab = False
+
+    def __init__(self, logits: list[torch.Tensor]) -> None:
+        self.steps = iter(logits)
+        self.model = SimpleNamespace(compute_logits=lambda hidden: hidden)
+
+    def _greedy_sample(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.argmax(dim=-1)
+
+    def propose(self, k: int) -> torch.Tensor:
+        return torch.stack([self._greedy_sample(next(self.steps)) for _ in range(k)], dim=1)
+
+
+def test_drafter_records_the_probability_of_each_proposed_token() -> None:
+    rng = np.random.default_rng(0)
+    logits = [torch.from_numpy(rng.standard_normal((4, 50)).astype(np.float32)) for _ in range(3)]
+    plain = _Drafter(logits).propose(3)
+
+    class Recording(_Drafter):
+        _greedy_sample = confidences.make_greedy_sample(_Drafter._greedy_sample)
+        propose = confidences.make_propose(_Drafter.propose)
+
+    d = Recording(logits)
+    ids = d.propose(3)
+    assert torch.equal(ids, plain)  # the drafts are vLLM's own
+    conf = d._maskplug_confidences
+    expect = torch.stack([torch.softmax(x, -1).max(-1).values for x in logits], dim=1)
+    assert conf.shape == (4, 3) and torch.allclose(conf, expect)
+
+    class Runner:
+        drafter = d
+
+        def take_draft_token_ids(self) -> DraftTokenIds:
+            return DraftTokenIds(["r0", "r1", "r2"], ids[:3].tolist())
+
+    take = confidences.make_take_draft_token_ids(Runner.take_draft_token_ids)
+    out = pickle.loads(pickle.dumps(take(Runner())))  # as the multiprocess executor returns it
+    got = getattr(out, confidences.CONFIDENCES_ATTR)
+    assert np.allclose(got, expect[:3].numpy()) and out.draft_token_ids == ids[:3].tolist()
+    # A drafter path that records nothing sends nothing.
+    d._maskplug_confidences = None
+    assert not hasattr(take(Runner()), confidences.CONFIDENCES_ATTR)
+
+
+def _stats(steps: int) -> dict[str, Any]:
+    return {
+        "steps": steps,
+        "regimes": {"full": 1, "partial": 2, "zero": 3},
+        "drafts_scheduled": 40,
+        "drafts_verified": 25,
+        "drafts_accepted": 20,
+        "tokens_emitted": 90,
+        "structured_steps": 6,
+    }
+
+
+def test_counter_files_and_the_prometheus_collector(tmp_path: Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    w = metrics.StepMetrics(tmp_path, 0, "goodput")
+    w.publish(_stats(7), budget=5)
+    metrics.StepMetrics(tmp_path, 1, "goodput").publish(_stats(3), budget=0)
+    got = metrics.read_metrics(tmp_path)
+    assert got["0"]["steps"] == 7 and got["0"]["budget"] == 5 and got["0"]["regime_zero"] == 3
+    assert got["1"]["steps"] == 3 and got["0"]["scheduler"] == "goodput"
+    w.set_scheduler("no-spec")
+    reg = CollectorRegistry()
+    reg.register(metrics._Collector(tmp_path))
+    text = generate_latest(reg).decode()
+    assert 'maskplug_steps_total{engine="0"} 7.0' in text
+    assert 'maskplug_steps_total{engine="1"} 3.0' in text
+    assert 'maskplug_regime_steps_total{engine="0",regime="partial"} 2.0' in text
+    assert 'maskplug_drafts_verified_total{engine="0"} 25.0' in text
+    assert 'maskplug_budget{engine="0"} 5.0' in text
+    assert 'maskplug_scheduler_info{engine="0",name="no-spec"} 1.0' in text
+
+
+def test_step_stats_in_a_process_that_does_not_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(adaptive, "_controller", adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear()))
+    w = metrics.StepMetrics(tmp_path, 0, "goodput")
+    w.publish(_stats(7), budget=5)
+    st = adaptive.step_stats()
+    assert (st["steps"], st["drafts_verified"], st["regimes"]["zero"], st["scheduler"]) == (7, 25, 3, "goodput")
+    adaptive.reset_step_stats()
+    assert adaptive.step_stats()["steps"] == 0
+    w.publish(_stats(9), budget=1)
+    assert adaptive.step_stats()["steps"] == 2
+
+
+def _config(**over: Any) -> SimpleNamespace:
+    cfg = {
+        "speculative_config": SimpleNamespace(num_speculative_tokens=3, method="ngram"),
+        "scheduler_config": SimpleNamespace(async_scheduling=False),
+        "parallel_config": SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=2),
+    }
+    cfg.update(over)
+    return SimpleNamespace(**cfg)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "config", "message"),
+    [
+        ("goodput", _config(speculative_config=None), r"without speculative decoding.*--speculative-config"),
+        ("goodput", _config(scheduler_config=SimpleNamespace(async_scheduling=True)), r"async_scheduling=True"),
+        (
+            "goodput",
+            _config(parallel_config=SimpleNamespace(pipeline_parallel_size=2)),
+            r"pipeline_parallel_size=2.*--tensor-parallel-size",
+        ),
+        ("dspark", _config(), r"=dspark.*confidences.*'ngram'.*draft_model"),
+        ("grammar-aware:dspark", _config(), r"=grammar-aware:dspark.*confidences.*'ngram'"),
+    ],
+)
+def test_check_config_names_what_is_refused(scheduler: str, config: SimpleNamespace, message: str) -> None:
+    with pytest.raises(PluginError, match=message):
+        adaptive.check_config(config, scheduler)
+
+
+@pytest.mark.parametrize("scheduler", ["goodput", "grammar-aware:goodput", "verify-all", "no-spec"])
+def test_check_config_accepts_tensor_parallel_and_drafters(scheduler: str) -> None:
+    adaptive.check_config(_config(), scheduler)
+    draft = _config(speculative_config=SimpleNamespace(num_speculative_tokens=3, method="draft_model"))
+    adaptive.check_config(draft, scheduler)
+    adaptive.check_config(draft, "dspark")
+    adaptive.check_config(draft, "grammar-aware:dspark")
