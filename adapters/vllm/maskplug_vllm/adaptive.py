@@ -771,9 +771,20 @@ def _require() -> _Controller:
     return _controller
 
 
+def _require_local_engine(ctl: _Controller, what: str) -> None:
+    """Refuse to change what only an engine core in another process would use (it would change nothing)."""
+    if ctl.metrics is None and metrics.read_metrics():
+        raise PluginError(
+            f"{what}: the engine core runs in another process (vLLM's default multiprocessing), so a change "
+            f"here would not reach it; set {SCHEDULER_ENV} / {COST_ENV} before the engine starts, or run the "
+            "engine core in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
+
+
 def set_scheduler(scheduler: str | Scheduler) -> None:
     """Switch the scheduler of the running engine (between ``LLM.generate`` calls); its history starts empty."""
     ctl = _require()
+    _require_local_engine(ctl, "set_scheduler")
     sched, name = _resolve(scheduler)
     with ctl.lock:
         ctl.scheduler, ctl.name = sched, name
@@ -786,6 +797,7 @@ def set_cost_model(cost: CostModel) -> None:
     if not isinstance(cost, CostModel):
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
     ctl = _require()
+    _require_local_engine(ctl, "set_cost_model")
     with ctl.lock:
         ctl.cost = cost
 

@@ -117,7 +117,7 @@ class Server:
             return ""
 
     def __enter__(self) -> Server:
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")  # closed in stop()
         self.proc = subprocess.Popen(
             self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )

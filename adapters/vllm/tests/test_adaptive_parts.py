@@ -135,7 +135,9 @@ def test_counter_files_and_the_prometheus_collector(tmp_path: Path) -> None:
 
 def test_step_stats_in_a_process_that_does_not_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(adaptive, "_controller", adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear()))
+    monkeypatch.setattr(
+        adaptive, "_controller", adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear())
+    )
     w = metrics.StepMetrics(tmp_path, 0, "goodput")
     w.publish(_stats(7), budget=5)
     st = adaptive.step_stats()
@@ -144,6 +146,11 @@ def test_step_stats_in_a_process_that_does_not_schedule(tmp_path: Path, monkeypa
     assert adaptive.step_stats()["steps"] == 0
     w.publish(_stats(9), budget=1)
     assert adaptive.step_stats()["steps"] == 2
+    # The scheduler of an engine core in another process cannot be switched from here: refused, not ignored.
+    with pytest.raises(PluginError, match=r"set_scheduler: the engine core runs in another process"):
+        adaptive.set_scheduler("no-spec")
+    with pytest.raises(PluginError, match=r"set_cost_model: the engine core runs in another process"):
+        adaptive.set_cost_model(CostModel.linear())
 
 
 def _config(**over: Any) -> SimpleNamespace:
