@@ -140,10 +140,15 @@ def _drafts_matrix(
         if a.shape[0] != nd[g]:
             raise LayoutError(
                 f"{arg}[{g}]: expected num_drafts = {int(nd[g])} tokens for request "
-                f"{layout.req_ids[idx[g]]!r}, got {a.shape[0]}"
+                f"{_plain(layout.req_ids[idx[g]])!r}, got {a.shape[0]}"
             )
         out[g, : a.shape[0]] = a
     return out, nd
+
+
+def _plain(value: Any) -> Any:
+    """A numpy scalar as the Python value it holds (messages show ``'a'``, not ``np.str_('a')``)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _gate(active_from: Any, g: int) -> IntArray:
@@ -717,7 +722,9 @@ def _produce(plan: _Plan) -> DraftMasks:
         can_chain = chain_ops.get(id(ops))
         if can_chain is None:
             can_chain = chain_ops[id(ops)] = strategy != "batch" and isinstance(ops, ChainOps)
-        if can_chain and gate[g] < need[g]:
+        # A chain operation also fills the row after the last draft: without a bonus row
+        # (need == nd) that row is the next request's, or past this call's rows.
+        if can_chain and gate[g] < need[g] and need[g] > walk.nd[g]:
             try:
                 live = not m.is_terminated()
             except Exception as exc:

@@ -10,6 +10,7 @@ hostile part.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from grammar_testkit import PROVIDERS, small_vocab, state_of
@@ -25,6 +27,7 @@ from maskplug import (
     GrammarError,
     GrammarRows,
     GrammarSpec,
+    LayoutError,
     MatcherInUse,
     ScheduledLayout,
     commit,
@@ -34,6 +37,8 @@ from maskplug import (
 )
 from maskplug.grammar import Vocab
 from maskplug.grammar.pools import MAX_THREADS, shared_pool, spread_tasks
+from maskplug.grammar.rows import stop_row
+from maskplug.grammar.sdk import FailedMatcher
 from maskplug.trees import DraftTree
 
 pytestmark = pytest.mark.skipif(not PROVIDERS, reason="no grammar provider is installed")
@@ -362,3 +367,269 @@ def test_a_tree_fill_waits_for_the_job_holding_its_matchers(provider: str) -> No
     assert job.result().acceptable.tolist() == [3, 3]
     assert got.valid.all()
     assert torch.equal(bm, bm2)
+
+
+# --- Chains and trees agree on chain-shaped input ----------------------------------------------------------
+
+
+class NotAMatcher:
+    """Has a fill but not the matcher protocol."""
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        raise AssertionError("never called")
+
+
+Call = dict[str, Any]
+
+
+def _with(**change: Any) -> Any:
+    return lambda call: {**call, **{k: (v(call) if callable(v) else v) for k, v in change.items()}}
+
+
+_A = VOCAB.tokens.index(b"a")
+# (name, the good call changed, error class, message as fill_draft_masks words it).
+BAD_INPUTS: list[tuple[str, Any, type[Exception], str]] = [
+    (
+        "same matcher twice",
+        _with(matchers=lambda c: [c["matchers"][0]] * 2),
+        GrammarError,
+        r"matchers\[1\]: expected one matcher per grammar request, got the same matcher as matchers\[0\]$",
+    ),
+    (
+        "not a matcher",
+        _with(matchers=lambda c: [NotAMatcher(), c["matchers"][1]]),
+        GrammarError,
+        r"matchers\[0\]: expected a Matcher, got NotAMatcher$",
+    ),
+    ("a string", _with(matchers="ab"), GrammarError, r"matchers: expected a sequence of matchers"),
+    ("None", _with(matchers=None), GrammarError, r"matchers: expected a sequence of matchers"),
+    (
+        "one short",
+        _with(matchers=lambda c: c["matchers"][:1]),
+        LayoutError,
+        r"matchers: expected 2 \(one per grammar request\), got 1$",
+    ),
+    ("negative threads", _with(threads=-1), LayoutError, r"threads: expected None or an int >= 0, got -1$"),
+    ("bool threads", _with(threads=True), LayoutError, r"threads: expected None or an int >= 0, got True$"),
+    ("str threads", _with(threads="2"), LayoutError, r"threads: expected None or an int >= 0, got '2'$"),
+    ("float threads", _with(threads=2.5), LayoutError, r"threads: expected None or an int >= 0, got 2.5$"),
+    (
+        "float drafts",
+        _with(drafts=[np.ones(3), [_A] * 3]),
+        LayoutError,
+        r"drafts\[0\]: expected a 1-D sequence of token ids, got shape \(3,\) float64$",
+    ),
+    (
+        "bool drafts",
+        _with(drafts=[np.ones(3, dtype=bool), [_A] * 3]),
+        LayoutError,
+        r"drafts\[0\]: expected a 1-D sequence of token ids, got shape \(3,\) bool$",
+    ),
+    ("float flat", _with(drafts=np.zeros(6)), LayoutError, r"drafts: expected integer token ids, got dtype float64$"),
+    (
+        "2-D tensor",
+        _with(drafts=torch.zeros(2, 3, dtype=torch.int64)),
+        LayoutError,
+        r"drafts: expected one token sequence per grammar request or a flat 1-D array, got a 2-D Tensor",
+    ),
+    (
+        "short drafts",
+        _with(drafts=[[_A] * 2, [_A] * 3]),
+        LayoutError,
+        r"drafts\[0\]: expected num_drafts = 3 tokens for request 'a', got 2$",
+    ),
+    ("no drafts", _with(drafts=None), LayoutError, r"drafts: expected one token sequence per grammar request"),
+    (
+        "float bitmask",
+        _with(bitmask=lambda c: c["bitmask"].float()),
+        GrammarError,
+        r"bitmask: expected dtype torch.int32, got torch.float32$",
+    ),
+    (
+        "strided bitmask",
+        _with(bitmask=lambda c: torch.zeros(8, 2 * VOCAB.mask_words, dtype=torch.int32)[:, ::2]),
+        GrammarError,
+        r"bitmask: expected a contiguous tensor",
+    ),
+    (
+        "short bitmask",
+        _with(bitmask=lambda c: c["bitmask"][:-1]),
+        GrammarError,
+        r"row: expected a row in \[0, 7\), got 7$",
+    ),
+    ("rows", _with(rows="rows"), LayoutError, r"rows: expected a GrammarRows, got str$"),
+]
+
+
+def _run(producer: str, call: Call, lay: ScheduledLayout) -> Any:
+    args = (call["matchers"], call["drafts"], call["bitmask"], call["rows"])
+    if producer == "chain":
+        return fill_draft_masks(*args, lay, threads=call.get("threads"))
+    tree = DraftTree.chain(lay)
+    return fill_tree_masks(*args, tree, threads=call.get("threads"), strategy=producer)
+
+
+PRODUCERS = ["chain", "auto", "native", "walk"]
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize(("name", "change", "exc", "msg"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_chains_and_trees_refuse_the_same_arguments_the_same_way(
+    provider: str, name: str, change: Any, exc: type[Exception], msg: str
+) -> None:
+    """Every bad argument: the same error from both producers (the tokens named as each call names them)."""
+    lay = ScheduledLayout(["a", "b"], [3, 3], [1, 1])
+    rows = GrammarRows(["a", "b"])
+    for producer in PRODUCERS:
+        ms = _matchers(provider, 2)
+        before = _fingerprints(ms)
+        bm = torch.full((rows.num_rows(lay), VOCAB.mask_words), 7, dtype=torch.int32)
+        call = change({"matchers": ms, "drafts": [[_A] * 3] * 2, "bitmask": bm, "rows": rows})
+        with pytest.raises(exc) as info:
+            _run(producer, call, lay)
+        want = msg if producer == "chain" else re.sub(r"^drafts", "tokens", msg)
+        assert re.match(want, str(info.value)), (producer, str(info.value))
+        assert torch.equal(bm, torch.full_like(bm, 7)), producer
+        assert _fingerprints(ms) == before, producer
+
+
+def _stop_token() -> int:
+    return int(VOCAB.eos_ids[0])
+
+
+def _terminated(provider: str) -> Any:
+    m = _matchers(provider, 1)[0]
+    for t in [_A, _stop_token()]:
+        assert m.accept(t)
+    assert m.is_terminated()
+    return m
+
+
+SPACE, DIGIT = VOCAB.tokens.index(b" "), VOCAB.tokens.index(b"7")
+# (name, per request: a matcher maker and its drafts; the drafts' form): chain-shaped inputs both producers serve.
+GOOD_INPUTS: list[tuple[str, Any, Any]] = [
+    ("accepted", lambda p: _matchers(p, 2), [[_A, _A, _A], [_A, SPACE, DIGIT]]),
+    ("refused mid-chain", lambda p: _matchers(p, 2), [[_A, DIGIT, _A], [SPACE, _A, _A]]),
+    ("stop mid-chain", lambda p: _matchers(p, 2), [[_A, _stop_token(), _A], [_A, _A, _stop_token()]]),
+    ("out of vocabulary", lambda p: _matchers(p, 2), [[_A, VOCAB.vocab_size, _A], [_A, _A, _A]]),
+    ("negative id", lambda p: _matchers(p, 2), [[_A, _A, _A], [-1, _A, _A]]),
+    ("terminated", lambda p: [_terminated(p), *_matchers(p, 1)], [[_A, _A, _A], [_A, _A, _A]]),
+    ("terminated, stop drafted", lambda p: [_terminated(p), *_matchers(p, 1)], [[_stop_token()] * 3, [_A] * 3]),
+    ("failed grammar", lambda p: [FailedMatcher(VOCAB, "it did not compile"), *_matchers(p, 1)], [[_A] * 3] * 2),
+    ("failed, no vocabulary", lambda p: [FailedMatcher(None, "gone"), *_matchers(p, 1)], [[_A] * 3] * 2),
+    ("empty drafts", lambda p: _matchers(p, 2), [[], []]),
+    ("one empty", lambda p: _matchers(p, 2), [[], [_A, _A, _A]]),
+    ("empty, terminated", lambda p: [_terminated(p), *_matchers(p, 1)], [[], []]),
+]
+FORMS = ["lists", "uint8 arrays", "int8 flat", "int32 flat tensor", "tensors", "numpy ints", "tuples", "empty flat"]
+
+
+def _form(drafts: list[list[int]], form: str) -> Any:
+    if any(t < 0 or t > 127 for d in drafts for t in d) and form in ("uint8 arrays", "int8 flat"):
+        form = "lists"  # ids these dtypes cannot hold
+    flat = [t for d in drafts for t in d]
+    if form == "empty flat":
+        return [] if not flat else drafts
+    makers: dict[str, Any] = {
+        "lists": lambda: drafts,
+        "uint8 arrays": lambda: [np.array(d, dtype=np.uint8) for d in drafts],
+        "int8 flat": lambda: np.array(flat, dtype=np.int8),
+        "int32 flat tensor": lambda: torch.tensor(flat, dtype=torch.int32),
+        "tensors": lambda: [torch.tensor(d, dtype=torch.int64) for d in drafts],
+        "numpy ints": lambda: [[np.int32(t) for t in d] for d in drafts],
+        "tuples": lambda: tuple(tuple(d) for d in drafts),
+    }
+    return makers[form]()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize(("name", "make", "drafts"), GOOD_INPUTS, ids=[g[0] for g in GOOD_INPUTS])
+def test_chains_and_trees_serve_chain_shaped_input_alike(provider: str, name: str, make: Any, drafts: Any) -> None:
+    """Same rows, the same accepted prefix, forced flags and failures from both producers, in every input form."""
+    for nb in (1, 0, 2):
+        lay = ScheduledLayout(["a", "b"], [len(d) for d in drafts], [1, 1], num_bonus=nb)
+        rows = GrammarRows(["b", "a"])
+        ordered = [drafts[1], drafts[0]]
+        for form in FORMS:
+            ms = make(provider)[::-1]
+            ref_bm = torch.full((rows.num_rows(lay) + 1, VOCAB.mask_words), 7, dtype=torch.int32)
+            want = fill_draft_masks(ms, _form(ordered, form), ref_bm, rows, lay)
+            k = lay.num_drafts[want.request]
+            for strategy in ("auto", "native", "walk"):
+                ms = make(provider)[::-1]
+                before = _fingerprints([m for m in ms if not isinstance(m, FailedMatcher)])
+                bm = torch.full_like(ref_bm, 7)
+                got = fill_tree_masks(ms, _form(ordered, form), bm, rows, DraftTree.chain(lay), strategy=strategy)
+                where = (name, nb, form, strategy)
+                assert torch.equal(bm, ref_bm), where
+                assert got.request.tolist() == want.request.tolist(), where
+                width = int(k.max()) if k.size else 0
+                cols = np.arange(width)[None, :]
+                assert np.array_equal(got.valid[:, :width], cols < want.acceptable[:, None]), where
+                assert np.array_equal(got.forced[:, :width], want.forced[:, :width] & (cols < want.acceptable[:, None]))
+                assert {r: re.sub(r"^tokens", "drafts", str(e)) for r, e in got.failed.items()} == {
+                    r: str(e) for r, e in want.failed.items()
+                }, where
+                assert _fingerprints([m for m in ms if not isinstance(m, FailedMatcher)]) == before, where
+
+
+class LoopOps:
+    """Batch operations as loops over the matchers (so the position-major walk runs on any provider)."""
+
+    def fill(self, matchers: Sequence[Any], bitmask: Any, rows: Sequence[int]) -> None:
+        for m, r in zip(matchers, rows, strict=True):
+            m.fill(bitmask, r)
+
+    def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+        return [m.accept(t) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Sequence[Any], counts: Sequence[int]) -> None:
+        for m, k in zip(matchers, counts, strict=True):
+            m.rollback(k)
+
+
+class Counted(Probe):
+    """A :class:`Probe` with batch operations and a ``num_accepted`` that raises when ``count_fails``."""
+
+    batch_ops = LoopOps()  # type: ignore[assignment]
+
+    def __init__(self, inner: Any, watch: Watch) -> None:
+        super().__init__(inner, watch, gil=False)
+        self.count_fails = False
+        self.taken = 0
+
+    @property
+    def num_accepted(self) -> int:
+        if self.count_fails:
+            raise RuntimeError("the engine lost its count")
+        return self.taken
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("bad", [0, 2])
+def test_a_num_accepted_that_raises_fails_its_request_alone(provider: str, bad: int) -> None:
+    inner, _ = _walkable(provider, 3, 3)
+    ms = [Counted(m, Watch()) for m in inner]
+    ms[bad].count_fails = True
+    drafts = [[_A, _A, _A], [_A, SPACE, DIGIT], [_A, DIGIT, _A]]
+    lay = ScheduledLayout(["a", "b", "c"], [3, 3, 3], [1, 1, 1])
+    rows = GrammarRows(["a", "b", "c"])
+    before = _fingerprints(inner)
+    bm = VOCAB.new_bitmask(rows.num_rows(lay))
+    got = fill_draft_masks(ms, drafts, bm, rows, lay, strategy="batch")
+    assert list(got.failed) == [bad]
+    assert str(got.failed[bad]) == (
+        f"matchers[{bad}]: the matcher raised RuntimeError in num_accepted: the engine lost its count"
+    )
+    assert isinstance(got.failed[bad].__cause__, RuntimeError)
+    assert _fingerprints(inner) == before
+    ref_bm = VOCAB.new_bitmask(rows.num_rows(lay))
+    want = fill_draft_masks(_matchers(provider, 3), drafts, ref_bm, rows, lay, strategy="serial")
+    for g in range(3):
+        span = slice(4 * g, 4 * g + 4)
+        if g == bad:
+            assert torch.equal(bm[span], stop_row(VOCAB).expand(4, -1)), g
+            assert got.acceptable[g] == 0 and not got.forced[g].any()
+        else:
+            assert torch.equal(bm[span], ref_bm[span]), g
+            assert got.acceptable[g] == want.acceptable[g] and got.forced[g].tolist() == want.forced[g].tolist()
