@@ -27,11 +27,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/maskplug demo
 
-# The real-engine companion of `make demo`: vLLM's CPU engine (adapters/.venv-vllm) with maskplug's
-# adaptive verification on a tiny model with random weights, a minute or two.
+# The real-engine companion of `make demo`: vLLM's OpenAI server (adapters/.venv-vllm) with maskplug
+# choosing the verify budget, on a tiny Llama trained on the demo's tasks (about a minute the first
+# time, cached under ~/.cache/maskplug/demo-vllm), then a couple of minutes. DEMO_ARGS passes options.
 demo-vllm:
 	$(MAKE) -C adapters .venv-vllm/.maskplug-vllm-installed
-	cd adapters/vllm && ../.venv-vllm/bin/python -m maskplug_vllm.demo
+	cd adapters/vllm && ../.venv-vllm/bin/python -m maskplug_vllm.demo $(DEMO_ARGS)
 
 test: test-core test-engines
 
