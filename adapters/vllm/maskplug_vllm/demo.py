@@ -41,13 +41,35 @@ from typing import Any
 
 from maskplug_vllm import demo_model
 
+# The engine benchmark's dummy-weight model and bundled-schema workload, importable from here as before.
+from maskplug_vllm.dummy_workload import (
+    MAX_TOKENS,
+    REGEXES,
+    PrefixChecker,
+    build_model,
+    sampling_params,
+    validity,
+    workload,
+)
+
 __all__ = [
+    "MAX_TOKENS",
+    "REGEXES",
+    "STATUSES",
+    "PrefixChecker",
     "Server",
+    "Summary",
+    "build_model",
     "classify",
+    "demo_workload",
     "main",
     "read_metrics",
+    "sampling_params",
     "serve",
+    "server_command",
+    "server_env",
     "summarize",
+    "validity",
     "workload",
 ]
 
@@ -220,8 +242,8 @@ def _token_limits(tokenizer_file: Path, samples: int = 200) -> dict[str, int]:
     return out
 
 
-def workload(num_requests: int, limits: dict[str, int], seed: int = 0) -> list[dict[str, Any]]:
-    """The mixed workload: half JSON schemas, a quarter regexes, a quarter free text, tasks in turn.
+def demo_workload(num_requests: int, limits: dict[str, int], seed: int = 0) -> list[dict[str, Any]]:
+    """The demo's mixed workload (its own tasks, :mod:`~maskplug_vllm.demo_model`): half JSON schemas, a quarter regexes, a quarter free text, tasks in turn.
 
     Each request: ``kind``, ``name`` (the task), ``prompt``, ``max_tokens`` and
     ``json`` (the schema) or ``regex`` (the pattern) for structured kinds.
@@ -577,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tiny Llama ({how}: {record['steps']} steps in {record['seconds']} s, loss {record['loss']:.3f}) in {model}"
     )
     limits = _token_limits(model / "tokenizer.json")
-    reqs = workload(args.requests, limits)
+    reqs = demo_workload(args.requests, limits)
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="maskplug-vllm-demo-") as tmp:
         server = Server(
