@@ -81,7 +81,7 @@ def test_drafter_records_the_probability_of_each_proposed_token() -> None:
     d = Recording(logits)
     ids = d.propose(3)
     assert torch.equal(ids, plain)  # the drafts are vLLM's own
-    conf = d._maskplug_confidences
+    conf = getattr(d, "_maskplug_confidences")  # noqa: B009 - set by the wrapper, unknown to the type
     expect = torch.stack([torch.softmax(x, -1).max(-1).values for x in logits], dim=1)
     assert conf.shape == (4, 3) and torch.allclose(conf, expect)
 
@@ -96,7 +96,7 @@ def test_drafter_records_the_probability_of_each_proposed_token() -> None:
     got = getattr(out, confidences.CONFIDENCES_ATTR)
     assert np.allclose(got, expect[:3].numpy()) and out.draft_token_ids == ids[:3].tolist()
     # A drafter path that records nothing sends nothing.
-    d._maskplug_confidences = None
+    setattr(d, "_maskplug_confidences", None)  # noqa: B010
     assert not hasattr(take(Runner()), confidences.CONFIDENCES_ATTR)
 
 

@@ -45,7 +45,6 @@ from maskplug.compaction import regime_of
 from maskplug.schedulers import GoodputScheduler, GrammarAwareScheduler
 
 
-
 class FixedBudget:
     """A scheduler that returns a preset budget (clipped to the step's cap) and records what it saw."""
 
