@@ -117,6 +117,30 @@ def _flat_parents(parents: Any, layout: ScheduledLayout) -> IntArray:
     return flat.astype(np.int64, copy=True)
 
 
+def _depths(up: IntArray, local: IntArray, chain: BoolArray) -> IntArray:
+    """Each node's depth (1 for the root's children) from its flat parent index ``up`` (-1: the root).
+
+    Chains (every node's parent the node before it) lie at ``local + 1``.
+    Otherwise pointer doubling: every node keeps the hops to an ancestor it
+    points at; each pass adds that ancestor's hops and jumps to its
+    ancestor, so ``ceil(log2(max depth))`` vectorised passes, each over the
+    nodes not yet pointing at the root (one pass per tree level made a
+    32,000-deep chain quadratic).
+    """
+    if bool(chain.all()):
+        return (local + 1).astype(np.int64)
+    hops = np.ones(up.shape[0], dtype=np.int64)
+    anc = up.copy()
+    live = np.flatnonzero(anc >= 0)
+    while live.size:
+        a = anc[live]
+        # Both right-hand sides are read before anything is written: one synchronous jump.
+        hops[live] += hops[a]
+        anc[live] = anc[a]
+        live = live[anc[live] >= 0]
+    return hops
+
+
 class DraftTree:
     """The draft trees of one step: a :class:`~maskplug.ScheduledLayout` and one parent index per draft node.
 
@@ -153,22 +177,14 @@ class DraftTree:
                 f"parents[{r}][{int(local[i])}]: expected a parent index in [-1, {int(local[i])}) "
                 f"(parents before children), got {int(flat[i])}"
             )
-        # Parents as flat indices (-1: the root); depth by walking every node up at once, one level per pass.
+        # Parents as flat indices (-1: the root).
         up = np.where(flat >= 0, flat + np.repeat(cu[:-1], layout.num_drafts), -1)
-        depth = np.ones(flat.shape[0], dtype=np.int64)
-        anc = up.copy()
-        while True:
-            live = anc >= 0
-            if not live.any():
-                break
-            depth += live
-            anc = np.where(live, up[np.maximum(anc, 0)], -1)
+        chain = flat == local - 1
+        reqs = np.repeat(np.arange(layout.n, dtype=np.int64), layout.num_drafts)
         self.layout = layout
         self.parents: IntArray = frozen(flat)
         self.cu_nodes: IntArray = frozen(cu)
-        self.depth: IntArray = frozen(depth)
-        chain = flat == local - 1
-        reqs = np.repeat(np.arange(layout.n, dtype=np.int64), layout.num_drafts)
+        self.depth: IntArray = frozen(_depths(up, local, chain))
         self.is_chain: BoolArray = frozen(np.bincount(reqs[~chain], minlength=layout.n) == 0)
         self.up: IntArray = frozen(up)
 
@@ -352,17 +368,37 @@ def _tree_conf(confidences: Any, tree: DraftTree, grammar: TreeMasks | None) -> 
 def _path_products(conf: FloatArray, tree: DraftTree) -> FloatArray:
     """Products of ``conf`` along each node's path, root side first (as ``cumprod`` runs along a chain).
 
-    One vectorised pass per tree level: a node's value is its parent's times its own confidence.
+    A node's value is its parent's times its own confidence, computed one of
+    two ways, whichever takes fewer passes (both multiply in the same order,
+    so the values are bit-identical): one vectorised pass per tree level, or
+    one ``cumprod`` per run of chain links (a run starts at a node whose
+    parent is not the node before it and continues from that parent's value,
+    already computed since parents come first). Deep chains take the runs
+    (one pass per request), wide trees the levels.
     """
     out = conf.copy()
     if not out.size:
         return out
     depth = tree.depth
+    up = tree.up
+    starts = up != np.arange(-1, up.shape[0] - 1, dtype=np.int64)  # parent is not the node before
+    starts[0] = True  # node 0 hangs off the root (up == -1 == its index - 1)
+    heads = np.flatnonzero(starts)  # run starts: node 0 of every request among them
+    levels = int(depth.max())
+    if heads.shape[0] < levels:
+        ends = np.append(heads[1:], up.shape[0])
+        for a, b in zip(heads.tolist(), ends.tolist(), strict=True):
+            p = int(up[a])
+            if p < 0:
+                out[a:b] = np.cumprod(conf[a:b])
+            else:
+                out[a:b] = np.cumprod(np.concatenate(([out[p]], conf[a:b])))[1:]
+        return out
     order = np.argsort(depth, kind="stable")
-    bounds = np.searchsorted(depth[order], np.arange(2, int(depth.max()) + 2))
+    bounds = np.searchsorted(depth[order], np.arange(2, levels + 2))
     for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
         idx = order[lo:hi]
-        out[idx] = out[tree.up[idx]] * conf[idx]
+        out[idx] = out[up[idx]] * conf[idx]
     return out
 
 
