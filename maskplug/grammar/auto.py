@@ -2,12 +2,26 @@
 
 For every spec, the registered providers that support its kind are tried in
 order of preference (:data:`PREFERENCE`: llguidance, xgrammar, outlines-core,
-then any other). The first whose compiled grammar enforces every keyword of
-the schema (no ``warnings``) serves it. A provider that raises
-:class:`GrammarError` (it cannot read the spec, cannot honour an option, or
-ran past its compile limit) is passed over with its reason. When every
-provider that compiles the spec leaves something unenforced, the one leaving
-out the fewest constraints serves it, and its warnings stay on the grammar.
+then any other). The first that enforces every keyword of the schema serves
+it. "Enforces" is maskplug's own knowledge of each engine
+(:data:`KEYWORD_COVERAGE`, one table per provider, each entry tested against
+the installed engine): the schema uses no keyword (or format) the table does
+not list as enforced, *and* the compiled grammar has no ``warnings``. An
+engine's silence is not enough: xgrammar leaves ``not``, ``uniqueItems``,
+``if``/``then``, ``contains`` and ``dependentRequired`` out without a word.
+A provider with no table (a plugin's) is judged by its warnings alone.
+
+With ``unsupported="refuse"``, a provider whose table lacks a keyword of the
+schema is not tried; when none is left, :class:`GrammarError` naming
+``unsupported``. A provider that raises :class:`GrammarError` (it cannot read
+the spec, cannot honour an option, or ran past its compile limit) is passed
+over with its reason, except when the error says the schema admits no value
+at all (:data:`UNSATISFIABLE`, and maskplug's own check that a grammar's
+start allows a token): that is final, since the next provider could only
+build a looser grammar. When every provider that compiles the spec leaves
+something unenforced, the one leaving out the fewest constraints serves it,
+and its warnings stay on the grammar (the coverage gaps are in
+:class:`AutoChoice` ``tried``).
 
 The compile limit holds for auto as a whole: ``compile_limit_s`` (default
 :data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`, or the spec's own)
@@ -25,6 +39,7 @@ and ``why`` (a sentence), :meth:`AutoProvider.explain` returns the
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -32,10 +47,22 @@ from typing import Any
 
 from ..errors import GrammarError
 from .bases import ProviderBase
+from .checks import schema_dict
 from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit, wall_backstop
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
 
-__all__ = ["PREFERENCE", "AutoChoice", "AutoProvider"]
+__all__ = [
+    "CONSTRAINT_KEYWORDS",
+    "KEYWORD_COVERAGE",
+    "PREFERENCE",
+    "UNSATISFIABLE",
+    "AutoChoice",
+    "AutoProvider",
+    "Coverage",
+    "coverage_gaps",
+    "schema_constraints",
+    "unsatisfiable",
+]
 
 #: Providers tried first, in this order (others registered follow, by name).
 PREFERENCE = ("llguidance", "xgrammar", "outlines-core")
@@ -104,6 +131,11 @@ class AutoProvider(ProviderBase[Any]):
             if not prov.supports(spec.kind):
                 tried.append((name, f"does not support {spec.kind}"))
                 continue
+            # What maskplug knows the engine leaves out, warned about or not.
+            gaps = coverage_gaps(name, spec) or []
+            if gaps and spec.unsupported == "refuse":
+                tried.append((name, f"does not enforce {gaps} (unsupported='refuse')"))
+                continue
             attempt = spec
             if budget is not None:
                 left = budget - spent
@@ -130,10 +162,18 @@ class AutoProvider(ProviderBase[Any]):
                 grammar = prov.compile(attempt)
             except GrammarError as exc:
                 spent += _spent(worker, seen, t0)
+                if unsatisfiable(name, exc):
+                    # The schema admits nothing: a looser grammar from the next provider would accept
+                    # what it refuses (outlines-core concatenates allOf, accepts the empty output).
+                    tried.append((name, f"GrammarError: {exc}"))
+                    raise GrammarError(
+                        f"spec: this {spec.kind} spec admits no value ({name}: {exc}); no other provider is tried"
+                    ) from exc
                 tried.append((name, f"GrammarError: {exc}"))
                 continue
             spent += _spent(worker, seen, t0)
             warns = list(getattr(grammar, "warnings", []) or [])
+            warns += [f"{name} does not enforce {k!r}" for k in gaps if not _mentioned(k, warns)]
             if not warns:
                 tried.append((name, "enforces every keyword"))
                 why = f"{name} enforces every keyword of this {spec.kind} spec"
@@ -146,6 +186,11 @@ class AutoProvider(ProviderBase[Any]):
             why = f"no provider enforces every keyword of this {spec.kind} spec; {name} leaves out the fewest"
             return self._serve(spec, grammar, name, why, tried)
         reasons = "; ".join(f"{n}: {r}" for n, r in tried)
+        if spec.unsupported == "refuse" and any("unsupported='refuse'" in r for _, r in tried):
+            raise GrammarError(
+                f"unsupported: no grammar provider enforces every keyword of this {spec.kind} spec "
+                f"(unsupported='refuse'; {reasons})"
+            )
         raise GrammarError(f"spec: no grammar provider could compile this {spec.kind} spec ({reasons})")
 
     def _serve(self, spec: GrammarSpec, grammar: Any, name: str, why: str, tried: list[tuple[str, str]]) -> Any:
@@ -168,3 +213,276 @@ def _spent(worker: Any, seen: tuple[Any, Any], t0: float) -> float:
     if worker is not None and now != seen and isinstance(cpu, float):
         return cpu
     return time.monotonic() - t0
+
+
+# --------------------------------------------------------------------------
+# What each engine enforces, as maskplug has tested it
+# --------------------------------------------------------------------------
+
+#: JSON Schema keywords that constrain an instance (validation and applicator keywords, drafts 4 to 2020-12).
+#: Annotations (``title``, ``default``, ``contentEncoding``, ...) and unknown keys constrain nothing.
+CONSTRAINT_KEYWORDS = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "required",
+        "additionalProperties",
+        "patternProperties",
+        "propertyNames",
+        "minProperties",
+        "maxProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "$defs",
+        "definitions",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """One engine's coverage of JSON Schema, as maskplug has tested it.
+
+    Entries are keywords, and ``format:<name>`` for each format. ``enforces``
+    holds what the engine was shown to enforce (an instance breaking only
+    that keyword is refused), ``ignores`` what it was shown to leave out
+    (such an instance is accepted, or the engine refuses the keyword). A
+    keyword in neither was not tested and is not counted as enforced.
+    ``tests/grammars/test_adversarial_auto.py`` has one probe per entry and
+    fails when an engine's behaviour departs from its table.
+    """
+
+    enforces: frozenset[str]
+    ignores: frozenset[str]
+
+
+_COMMON = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "properties",
+        "required",
+        "additionalProperties",
+        "minProperties",
+        "maxProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "anyOf",
+        "oneOf",
+        "$ref",
+        "$defs",
+        "definitions",
+    }
+)
+_FORMATS = frozenset(
+    f"format:{f}" for f in ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+)
+_NOBODY = frozenset(
+    {
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "unevaluatedProperties",
+        "uniqueItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "not",
+        "if",
+        "then",
+        "else",
+        "format:idn-email",
+        "format:iri",
+        "format:regex",
+    }
+)
+
+#: Per provider name: what its engine enforces and leaves out (tested against the installed engines).
+KEYWORD_COVERAGE: dict[str, Coverage] = {
+    "xgrammar": Coverage(
+        enforces=_COMMON
+        | _FORMATS
+        | {"propertyNames", "unevaluatedItems", "format:uri-reference", "format:json-pointer"},
+        # patternProperties: valid keys refused too (xgrammar 0.2.9); additionalItems: the draft-4 tuple
+        # form is refused; allOf with several branches is left out (with a warning).
+        ignores=_NOBODY | {"patternProperties", "additionalItems", "allOf"},
+    ),
+    "llguidance": Coverage(
+        enforces=_COMMON | _FORMATS | {"patternProperties", "additionalItems", "allOf"},
+        ignores=_NOBODY | {"propertyNames", "unevaluatedItems", "format:uri-reference", "format:json-pointer"},
+    ),
+    "outlines-core": Coverage(
+        enforces=frozenset(
+            {
+                "type",
+                "enum",
+                "const",
+                "properties",
+                "required",
+                "items",
+                "minItems",
+                "maxItems",
+                "minLength",
+                "maxLength",
+                "pattern",
+                "anyOf",
+                "$ref",
+                "$defs",
+                "definitions",
+            }
+        )
+        | {f"format:{f}" for f in ("date", "time", "date-time", "email", "uuid")},
+        # additionalProperties and prefixItems: valid instances refused too; oneOf: overlapping branches
+        # taken as anyOf without a word; allOf: concatenated or refused; the formats: refused.
+        ignores=_NOBODY
+        | {
+            "patternProperties",
+            "propertyNames",
+            "minProperties",
+            "maxProperties",
+            "additionalProperties",
+            "prefixItems",
+            "additionalItems",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+            "multipleOf",
+            "oneOf",
+            "allOf",
+        }
+        | {f"format:{f}" for f in ("duration", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "json-pointer")},
+    ),
+}
+
+
+def _walk_constraints(node: Any, found: set[str]) -> None:
+    if isinstance(node, list):
+        for x in node:
+            _walk_constraints(x, found)
+        return
+    if not isinstance(node, dict):
+        return
+    for k, v in node.items():
+        if k in CONSTRAINT_KEYWORDS:
+            found.add(k)
+            if k == "format" and isinstance(v, str):
+                found.add(f"format:{v}")
+        if k in ("enum", "const", "required", "dependentRequired") or k not in CONSTRAINT_KEYWORDS:
+            continue  # data, or an annotation / unknown key: nothing below is a schema
+        if k in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") and isinstance(v, dict):
+            for sub in v.values():
+                _walk_constraints(sub, found)
+        elif k == "dependencies" and isinstance(v, dict):
+            for sub in v.values():
+                if isinstance(sub, dict):
+                    _walk_constraints(sub, found)
+        elif isinstance(v, (dict, list)):
+            _walk_constraints(v, found)
+
+
+def schema_constraints(schema: Any) -> frozenset[str]:
+    """The constraint keywords a JSON schema uses anywhere, with ``format:<name>`` for each format it names."""
+    found: set[str] = set()
+    _walk_constraints(schema, found)
+    return frozenset(found)
+
+
+def coverage_gaps(provider: str, spec: GrammarSpec) -> list[str] | None:
+    """The constraints of ``spec`` that ``provider``'s engine is not known to enforce (None: no table for it).
+
+    Only ``json_schema`` specs have keywords; every other kind gives ``[]``.
+    """
+    cov = KEYWORD_COVERAGE.get(provider)
+    if cov is None:
+        return None
+    if spec.kind != "json_schema":
+        return []
+    try:
+        schema = schema_dict(spec.source)
+    except GrammarError:
+        return []  # the compile reports it
+    used = schema_constraints(schema)
+    return sorted(k for k in used if k not in cov.enforces and not (k == "format" and _formats_known(used, cov)))
+
+
+def _formats_known(used: frozenset[str], cov: Coverage) -> bool:
+    # ``format`` itself is judged by the formats named (each its own entry).
+    return all(k in cov.enforces for k in used if k.startswith("format:"))
+
+
+#: Parts of engine errors saying that a schema admits no value at all (then no looser grammar may serve it).
+UNSATISFIABLE: dict[str, tuple[str, ...]] = {
+    "llguidance": (r"Unsatisfiable schema",),
+    "xgrammar": (
+        r"enum array must not be empty",
+        r"Invalid range: minimum greater than maximum",
+        r"minLength \d+ is greater than maxLength",
+        r"minItems is greater than maxItems",
+        r"minProperties is greater than maxProperties",
+        r"cannot accept any value",
+        r"range contains no multipleOf value",
+    ),
+    # maskplug's own check of every compiled grammar's start (maskplug.grammar.bases).
+    "*": (r"admits no text", r"admits only the empty output"),
+}
+
+
+def unsatisfiable(provider: str, error: BaseException) -> bool:
+    """Whether ``provider``'s compile ``error`` says the spec admits no value (see :data:`UNSATISFIABLE`)."""
+    text = str(error)
+    pats = UNSATISFIABLE.get(provider, ()) + UNSATISFIABLE["*"]
+    return any(re.search(p, text) for p in pats)
+
+
+def _mentioned(entry: str, warnings: list[str]) -> bool:
+    """Whether an engine warning already names coverage entry ``entry`` (so it is counted once)."""
+    if entry.startswith("format:"):  # llguidance: "Unknown format: uri-reference"
+        pat = re.compile(rf"format:?\s*['\"]?{re.escape(entry[7:])}(?![\w-])")
+    else:  # quoted, as every engine names keys: 'not', "uniqueItems"
+        pat = re.compile(rf"(['\"]){re.escape(entry)}\1")
+    return any(pat.search(w) for w in warnings)
