@@ -19,6 +19,7 @@ from ..errors import GrammarError
 
 __all__ = [
     "ANNOTATIONS",
+    "DEFAULT_MAX_WHITESPACE",
     "SPEC_KINDS",
     "UNSUPPORTED",
     "WHITESPACE",
@@ -39,6 +40,12 @@ SPEC_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice")
 WHITESPACE = ("flexible", "compact")
 #: ``GrammarSpec.unsupported`` values.
 UNSUPPORTED = ("ignore", "refuse")
+
+#: ``GrammarSpec.max_whitespace`` default: the most whitespace characters in a row between JSON items.
+#: ``json.dumps(..., indent=2)`` of the deepest valid instance of the JSONSchemaBench sample
+#: (1,278 instances) needs 19 (a newline and 18 spaces: 9 levels); 24 leaves room for two more
+#: levels or ``\r\n`` line ends, while a runaway stops after 24 characters.
+DEFAULT_MAX_WHITESPACE = 24
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,17 @@ class GrammarSpec:
       explicit ``additionalProperties`` (or ``unevaluatedProperties``) other
       than false keeps that object open. False keeps the JSON Schema meaning
       (unlisted keys allowed).
+    * ``max_whitespace``: the most whitespace characters (space, tab,
+      ``\n``, ``\r``) in a row between JSON items under
+      ``whitespace="flexible"``; an int ``>= 0`` or None (no bound, the
+      engines' own flexible whitespace). Default
+      :data:`DEFAULT_MAX_WHITESPACE` (24): a model that keeps emitting
+      whitespace (vLLM #55313: 250k spaces) is stopped after 24, and
+      pretty-printed JSON still fits (``json.dumps(indent=2)`` of the
+      deepest JSONSchemaBench sample instance needs 19: a newline and 9
+      levels of indentation). ``whitespace="compact"`` allows none, so the
+      bound has nothing to limit there; ``0`` with ``"flexible"`` allows no
+      whitespace either. JSON kinds only. Part of :meth:`key`.
     * ``unsupported``: what to do with schema keywords the engine does not
       enforce: ``"ignore"`` (default: compile without them and report each in
       the compiled grammar's ``warnings``) or ``"refuse"`` (raise
@@ -92,6 +110,9 @@ class GrammarSpec:
                                                additional_properties)
         strict_keys   strict_mode=False        the schema as it is             GrammarError naming
          False                                 (vLLM's default for guidance)   strict_keys (open objects)
+        max_whitespace max_whitespace_cnt=N    whitespace_pattern              its [ ]? (at most one space)
+         N (flexible) (vLLM: no bound)         [\x20\x0a\x0d\x09]{0,N}        honours any N >= 1; N = 0:
+                                               (vLLM: no bound)                no whitespace
         unsupported   compiles; its C++        lenient=True; its warnings      maskplug's keyword check,
          ignore       warnings captured        in ``warnings``                 in ``warnings``
         unsupported   GrammarError naming      lenient=False: GrammarError     GrammarError naming
@@ -112,6 +133,7 @@ class GrammarSpec:
     whitespace: str = field(default="flexible", kw_only=True)
     strict_keys: bool = field(default=True, kw_only=True)
     unsupported: str = field(default="ignore", kw_only=True)
+    max_whitespace: int | None = field(default=DEFAULT_MAX_WHITESPACE, kw_only=True)
     compile_limit_s: float | None = field(default=None, kw_only=True, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +145,9 @@ class GrammarSpec:
             raise GrammarError(f"strict_keys: expected a bool, got {self.strict_keys!r}")
         if self.unsupported not in UNSUPPORTED:
             raise GrammarError(f"unsupported: expected one of {UNSUPPORTED}, got {self.unsupported!r}")
+        mw = self.max_whitespace
+        if mw is not None and (isinstance(mw, bool) or not isinstance(mw, int) or mw < 0):
+            raise GrammarError(f"max_whitespace: expected an int >= 0 or None, got {mw!r}")
         lim = self.compile_limit_s
         if lim is not None and (
             isinstance(lim, bool) or not isinstance(lim, (int, float)) or math.isnan(lim) or lim <= 0
@@ -140,7 +165,12 @@ class GrammarSpec:
     @property
     def options(self) -> dict[str, Any]:
         """The options that shape the grammar (``compile_limit_s`` is not one)."""
-        return {"whitespace": self.whitespace, "strict_keys": self.strict_keys, "unsupported": self.unsupported}
+        return {
+            "whitespace": self.whitespace,
+            "strict_keys": self.strict_keys,
+            "unsupported": self.unsupported,
+            "max_whitespace": self.max_whitespace,
+        }
 
     def key(self) -> str:
         """A canonical string for caching (dict schemas are serialised with sorted keys; options that differ from
@@ -152,7 +182,12 @@ class GrammarSpec:
         return f"{self.kind}:{src}" + ("" if not extra else "\x00" + ",".join(extra))
 
 
-_DEFAULTS: dict[str, Any] = {"whitespace": "flexible", "strict_keys": True, "unsupported": "ignore"}
+_DEFAULTS: dict[str, Any] = {
+    "whitespace": "flexible",
+    "strict_keys": True,
+    "unsupported": "ignore",
+    "max_whitespace": DEFAULT_MAX_WHITESPACE,
+}
 
 #: Keywords that only annotate a schema (no constraint to enforce).
 ANNOTATIONS = frozenset(

@@ -64,6 +64,7 @@ from maskplug.grammar.checks import check_token
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
 from maskplug.grammar.sdk import FailedMatcher, brief_error
+from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
 
 from .vocab import vocab_from_tokenizer
 
@@ -620,6 +621,11 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
         provider: the maskplug provider name (default: ``$MASKPLUG_SGLANG_PROVIDER``
             or :data:`DEFAULT_PROVIDER`).
         vocab: a ready :class:`Vocab` instead of reading ``tokenizer``.
+        disable_any_whitespace: SGLang's ``constrained_json_disable_any_whitespace``:
+            JSON grammars get ``whitespace="compact"``.
+        max_whitespace: the bound on whitespace runs of JSON grammars (default
+            :data:`maskplug.grammar.spec.DEFAULT_MAX_WHITESPACE`; SGLang's own
+            backends set none).
 
     Raises:
         PluginError: the provider is not installed (the message lists those that are).
@@ -633,8 +639,16 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
         *,
         provider: str | None = None,
         vocab: Vocab | None = None,
+        disable_any_whitespace: bool = False,
+        max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
     ) -> None:
         super().__init__()
+        # Checked here (GrammarError naming it), not at the first request.
+        GrammarSpec("json_object", max_whitespace=max_whitespace)
+        self.json_options: dict[str, Any] = {
+            "whitespace": "compact" if disable_any_whitespace else "flexible",
+            "max_whitespace": max_whitespace,
+        }
         name = provider or os.environ.get(PROVIDER_ENV, "").strip() or DEFAULT_PROVIDER
         known = grammar_providers()
         if name != AUTO and name not in known:
@@ -661,8 +675,8 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
     def dispatch_json(self, key_string: str) -> BaseGrammarObject:
         """A JSON-schema grammar; ``$$ANY$$`` is any JSON value."""
         if key_string == "$$ANY$$":
-            return self._compile(GrammarSpec("json_object"), "json", key_string)
-        return self._compile(GrammarSpec("json_schema", key_string), "json", key_string)
+            return self._compile(GrammarSpec("json_object", **self.json_options), "json", key_string)
+        return self._compile(GrammarSpec("json_schema", key_string, **self.json_options), "json", key_string)
 
     def dispatch_regex(self, key_string: str) -> BaseGrammarObject:
         """A regular-expression grammar."""
@@ -734,5 +748,9 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
 def create_backend(
     server_args: Any, tokenizer: Any, vocab_size: int, eos_token_ids: Any = None
 ) -> MaskplugGrammarBackend:
-    """The factory SGLang calls for ``--grammar-backend maskplug`` (its registry's signature)."""
-    return MaskplugGrammarBackend(tokenizer, vocab_size, eos_token_ids)
+    """The factory SGLang calls for ``--grammar-backend maskplug`` (its registry's signature).
+
+    ``server_args.constrained_json_disable_any_whitespace`` (SGLang's flag, off by default) makes JSON compact.
+    """
+    compact = bool(getattr(server_args, "constrained_json_disable_any_whitespace", False))
+    return MaskplugGrammarBackend(tokenizer, vocab_size, eos_token_ids, disable_any_whitespace=compact)

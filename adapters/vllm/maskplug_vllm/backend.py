@@ -24,6 +24,7 @@ from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, gram
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
 from maskplug.grammar.sdk import FailedMatcher, brief_error
+from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
 from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
 
 __all__ = [
@@ -90,13 +91,29 @@ def vocab_from_tokenizer(tokenizer: Any, vocab_size: int) -> Vocab:
     return vocab_from_hf_tokenizer(tokenizer, vocab_size)
 
 
-def spec_from_vllm(request_type: Any, grammar_spec: str) -> GrammarSpec:
-    """Translate vLLM's ``(StructuredOutputOptions, str)`` request key into a :class:`GrammarSpec`."""
+def spec_from_vllm(
+    request_type: Any,
+    grammar_spec: str,
+    *,
+    disable_any_whitespace: bool = False,
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE,
+) -> GrammarSpec:
+    """Translate vLLM's ``(StructuredOutputOptions, str)`` request key into a :class:`GrammarSpec`.
+
+    JSON kinds: vLLM's ``structured_outputs_config.disable_any_whitespace``
+    is ``whitespace="compact"``; ``max_whitespace`` is the spec's bound on
+    whitespace runs (default :data:`maskplug.grammar.spec.DEFAULT_MAX_WHITESPACE`;
+    vLLM's own backends set no bound).
+    """
     name = getattr(request_type, "name", str(request_type))
+    ws: dict[str, Any] = {
+        "whitespace": "compact" if disable_any_whitespace else "flexible",
+        "max_whitespace": max_whitespace,
+    }
     if name == "JSON":
-        return GrammarSpec("json_schema", grammar_spec)
+        return GrammarSpec("json_schema", grammar_spec, **ws)
     if name == "JSON_OBJECT":
-        return GrammarSpec("json_object", None)
+        return GrammarSpec("json_object", None, **ws)
     if name == "REGEX":
         return GrammarSpec("regex", grammar_spec)
     if name == "CHOICE":
@@ -359,7 +376,10 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         self, request_type: Any, grammar_spec: str, stop_token_ids: set[int] | None = None
     ) -> MaskplugGrammar:
         """Compile (cached by the provider) and start a matcher for one request."""
-        spec = spec_from_vllm(request_type, grammar_spec)
+        so = getattr(self.vllm_config, "structured_outputs_config", None)
+        spec = spec_from_vllm(
+            request_type, grammar_spec, disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False))
+        )
         provider = self._provider(stop_token_ids)
         compiled = provider.compile(spec)
         return MaskplugGrammar(compiled.matcher(), spec, provider.vocab)

@@ -41,6 +41,9 @@ What this module normalises, so callers see maskplug's matcher semantics:
   vLLM's ``guidance_disable_additional_properties`` does) made compositions
   whose required keys sit in another branch unsatisfiable. False leaves the
   schema as it is (llguidance follows JSON Schema: unlisted keys allowed).
+  ``max_whitespace=N`` is the JSON option ``whitespace_pattern``
+  ``[\x20\x0a\x0d\x09]{0,N}`` (None: llguidance's own unbounded whitespace;
+  ``0``: the compact grammar).
   ``unsupported="ignore"`` is llguidance's ``lenient`` (unimplemented keywords
   are left out; its warnings, e.g. ``Unimplemented keys: ["uniqueItems"]``, go
   into the compiled grammar's ``warnings``); ``"refuse"`` is llguidance's
@@ -486,14 +489,21 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
         return LLGuidanceGrammar(self, spec, grammar, self._template(spec, grammar), warns)
 
 
+def whitespace_pattern(n: int) -> str:
+    """llguidance's JSON whitespace lexeme for at most ``n`` whitespace characters in a row."""
+    return r"[\x20\x0A\x0D\x09]{0," + str(n) + "}"
+
+
 def grammar_text(spec: GrammarSpec) -> str:
     """llguidance's serialized grammar for ``spec`` with its options mapped (not yet checked)."""
     kind, src = spec.kind, spec.source
     options: dict[str, Any] = {"lenient": spec.unsupported == "ignore"}
-    if spec.whitespace == "compact":
+    if spec.whitespace == "compact" or spec.max_whitespace == 0:
         options.update(whitespace_flexible=False, item_separator=",", key_separator=":")
     else:
         options.update(whitespace_flexible=True)
+        if spec.max_whitespace is not None:
+            options.update(whitespace_pattern=whitespace_pattern(spec.max_whitespace))
     try:
         if kind == "json_schema":
             schema = schema_dict(src)

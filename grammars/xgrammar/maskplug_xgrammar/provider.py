@@ -25,6 +25,10 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
 * ``whitespace="flexible"`` is ``any_whitespace=True`` (xgrammar's and
   vLLM's default); ``"compact"`` is ``any_whitespace=False`` with separators
   ``(",", ":")``;
+* ``max_whitespace=N`` is ``max_whitespace_cnt=N`` (None: no bound, xgrammar's
+  and vLLM's default; ``0``: the compact grammar); ``json_object`` with a bound
+  is compiled as the schema ``{"type": "object"}`` (xgrammar's builtin JSON
+  grammar takes no whitespace options);
 * ``strict_keys`` is xgrammar's ``strict_mode`` (True is its default and what
   vLLM passes: no unlisted object keys or array items unless the schema says
   so);
@@ -138,15 +142,19 @@ def compile_raw(compiler: Any, spec: GrammarSpec) -> tuple[Any, list[str]]:
     """Compile ``spec`` with xgrammar's ``compiler``; return the compiled grammar and xgrammar's warnings."""
     compile_fn: Callable[[], Any]
     kind, src = spec.kind, spec.source
-    compact = spec.whitespace == "compact"
+    # max_whitespace=0 allows no whitespace: the compact grammar.
+    compact = spec.whitespace == "compact" or spec.max_whitespace == 0
     ws: dict[str, Any] = {"any_whitespace": not compact}
     if compact:
         ws["separators"] = (",", ":")
+    elif spec.max_whitespace is not None:
+        ws["max_whitespace_cnt"] = spec.max_whitespace
     if kind == "json_schema":
         text = schema_text(src)
         compile_fn = lambda: compiler.compile_json_schema(text, strict_mode=spec.strict_keys, **ws)  # noqa: E731
     elif kind == "json_object":
-        if compact:
+        if compact or spec.max_whitespace is not None:
+            # The builtin JSON grammar takes no whitespace options.
             obj = json.dumps({"type": "object"})
             compile_fn = lambda: compiler.compile_json_schema(obj, strict_mode=False, **ws)  # noqa: E731
         else:
