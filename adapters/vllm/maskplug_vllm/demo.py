@@ -612,6 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         with server:
             wait, stop_wait = out.waiting(f"starting vLLM's OpenAI server ({args.scheduler}, n-gram K={args.spec})")
+            t_start = time.monotonic()
             try:
                 server.start(wait)
             except RuntimeError as exc:
@@ -619,7 +620,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 out.line(str(exc))
                 return 1
             stop_wait()
-            out.line(f"server up at {server.url}: maskplug choosing the budget with {args.scheduler}")
+            out.line(
+                f"server up in {time.monotonic() - t_start:.0f} s at {server.url}: "
+                f"maskplug choosing the budget with {args.scheduler}"
+            )
             out.line(f"sending {len(reqs)} requests, {args.concurrency} at a time ...")
             t0 = time.perf_counter()
             answers = serve(server.url, reqs, concurrency=args.concurrency)
