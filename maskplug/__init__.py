@@ -38,7 +38,7 @@ from .grammar_trees import fill_tree_masks
 from .hookspecs import hookimpl
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 from .plugins import get_registry, reset_registry
-from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler
+from .schedulers import Scheduler, StepOutcome, StepView, allocate_step, get_scheduler, scheduler_names
 from .steps import Step, StepPlanner
 from .trees import (
     DraftTree,
@@ -108,6 +108,7 @@ __all__ = [
     "reference",
     "reset_registry",
     "resolve_backend",
+    "scheduler_names",
     "schedulers",
     "select_subtree",
 ]

@@ -26,12 +26,15 @@ The package, one concept per module:
     acceptance, then the same argmax as ``dspark``.
 ``grammar_aware``
     :class:`GrammarAwareScheduler` (``grammar-aware``): wraps any scheduler
-    (``get_scheduler("grammar-aware", inner="goodput")``); drafts the grammar
+    (``get_scheduler("grammar-aware:goodput")``, or
+    ``get_scheduler("grammar-aware", inner="goodput")``); drafts the grammar
     rejects, and all after them, are worth nothing, and accepted drafts at
     positions the grammar forces to one token are certain.
 ``registry``
     the built-ins' hook implementation, :func:`schedulers` and
-    :func:`get_scheduler`.
+    :func:`scheduler_names` (the registered names), :func:`parse_scheduler_spec`
+    (the one parser of scheduler specs, ``NAME`` or ``OUTER:INNER`` such as
+    ``grammar-aware:goodput``) and :func:`get_scheduler`, which takes a spec.
 
 The allocation (which drafts of which request make up the budget) runs on
 the device with the live confidences: :func:`~maskplug.budget.allocate_step`
@@ -56,7 +59,14 @@ from .goodput import GoodputScheduler
 from .grammar_aware import GrammarAwareScheduler
 from .no_spec import NoSpecScheduler
 from .protocol import Scheduler, StepOutcome, StepView, grammar_limits
-from .registry import DEFAULT_SCHEDULER, get_scheduler, schedulers
+from .registry import (
+    DEFAULT_SCHEDULER,
+    SchedulerSpec,
+    get_scheduler,
+    parse_scheduler_spec,
+    scheduler_names,
+    schedulers,
+)
 from .verify_all import VerifyAllScheduler
 
 __all__ = [
@@ -66,12 +76,15 @@ __all__ = [
     "GrammarAwareScheduler",
     "NoSpecScheduler",
     "Scheduler",
+    "SchedulerSpec",
     "StepOutcome",
     "StepView",
     "VerifyAllScheduler",
     "allocate_step",
     "get_scheduler",
     "grammar_limits",
+    "parse_scheduler_spec",
+    "scheduler_names",
     "schedulers",
 ]
 

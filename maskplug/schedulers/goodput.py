@@ -11,7 +11,7 @@ import numpy.typing as npt
 from .._checks import host_int
 from ..budget import BudgetDecision
 from ..errors import BudgetError
-from .protocol import StepOutcome, StepView
+from .protocol import StepOutcome, StepView, request_ids
 
 __all__ = ["GoodputScheduler"]
 
@@ -29,26 +29,37 @@ def _positions(name: str, k: int) -> int:
 
 
 class _IdTable:
-    """Request id → row of a state array, vectorised (sorted ids + searchsorted, free-list of rows)."""
+    """Request id → row of a state array.
+
+    Integer and string ids are vectorised (sorted ids + searchsorted);
+    other hashable ids (tuples, as layouts take them) go through a dict.
+    One kind of id per table: numpy would silently compare ``1`` with
+    ``"1"``, so a table of int ids refuses str ids and the other way round.
+    Freed rows are handed out again.
+    """
 
     def __init__(self) -> None:
         self.keys: npt.NDArray[Any] = np.zeros(0, dtype=np.int64)
         self.rows: IntArray = np.zeros(0, dtype=np.int64)
+        self.index: dict[Any, int] = {}  # the "object" kind's table
         self.free: IntArray = np.zeros(0, dtype=np.int64)
         self.size = 0  # rows ever handed out
-        self.kind: str | None = None  # "int" or "str": numpy would silently compare 1 with "1"
+        self.kind: str | None = None  # "int", "str" or "object"
 
     @staticmethod
     def _kind(ids: npt.NDArray[Any]) -> str:
-        kind = "int" if ids.dtype.kind in "iu" else "str" if ids.dtype.kind in "US" else None
-        if kind is None:
-            raise BudgetError(f"req_ids: expected integer or string request ids, got dtype {ids.dtype}")
-        return kind
+        k = ids.dtype.kind
+        return "int" if k in "iu" else "str" if k in "US" else "object"
 
     def lookup(self, ids: npt.NDArray[Any]) -> IntArray:
-        """Row of each id, -1 when unknown (ids of the other kind are never known)."""
+        """Row of each id, -1 when unknown (ids of another kind are never known)."""
         out = np.full(ids.shape[0], -1, dtype=np.int64)
-        if ids.size == 0 or self.keys.size == 0 or self._kind(ids) != self.kind:
+        if ids.size == 0 or self._kind(ids) != self.kind:
+            return out
+        if self.kind == "object":
+            get = self.index.get
+            return np.fromiter((get(x, -1) for x in ids.tolist()), dtype=np.int64, count=ids.shape[0])
+        if self.keys.size == 0:
             return out
         try:
             pos = np.searchsorted(self.keys, ids)
@@ -77,6 +88,9 @@ class _IdTable:
         fresh = np.arange(self.size, self.size + (k - reuse.shape[0]), dtype=np.int64)
         self.size += fresh.shape[0]
         rows = np.concatenate([reuse, fresh])
+        if self.kind == "object":
+            self.index.update(zip(ids.tolist(), rows.tolist(), strict=True))
+            return rows
         keys = np.concatenate([self.keys, ids]) if self.keys.size else ids.copy()
         try:
             order = np.argsort(keys, kind="stable")
@@ -91,8 +105,12 @@ class _IdTable:
         rows = self.lookup(ids)
         gone = rows[rows >= 0]
         if gone.size:
-            keep = ~np.isin(self.rows, gone)
-            self.keys, self.rows = self.keys[keep], self.rows[keep]
+            if self.kind == "object":
+                for x in ids.tolist():
+                    self.index.pop(x, None)
+            else:
+                keep = ~np.isin(self.rows, gone)
+                self.keys, self.rows = self.keys[keep], self.rows[keep]
             self.free = np.concatenate([self.free, gone])
         return gone
 
@@ -165,9 +183,7 @@ class GoodputScheduler:
 
     def estimates(self, req_ids: Sequence[Any] | npt.NDArray[Any], num_positions: int) -> FloatArray:
         """Current per-position acceptance estimates of ``req_ids`` (new ids get the population prior)."""
-        ids = np.asarray(req_ids)
-        if ids.ndim != 1:
-            raise BudgetError(f"req_ids: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        ids = request_ids("req_ids", req_ids)
         num_positions = _positions("num_positions", host_int("num_positions", num_positions, BudgetError))
         self._widen(0, num_positions)
         rows = self._ids.lookup(ids)

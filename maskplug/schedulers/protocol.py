@@ -16,6 +16,7 @@ raises :class:`~maskplug.BudgetError` naming it.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +36,7 @@ __all__ = [
     "StepView",
     "check_no_config",
     "grammar_limits",
+    "request_ids",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -45,6 +47,54 @@ def _opt_int(name: str, v: Any) -> int | None:
     if v is None:
         return None
     return host_int(name, v, BudgetError)
+
+
+def request_ids(name: str, ids: Any) -> npt.NDArray[Any]:
+    """Request ids as a 1-D array, one element per id: what a :class:`~maskplug.ScheduledLayout` takes.
+
+    Ints stay an integer array and strings a string array; anything else
+    hashable (tuples, say) is an object array. A list mixing ints and
+    strings is an object array too, so ``1`` and ``"1"`` stay two ids (numpy
+    would make both ``"1"``). A sequence that is not 1-D, or an id that is
+    not hashable, raises :class:`~maskplug.BudgetError` naming ``name``.
+    """
+    if isinstance(ids, torch.Tensor):
+        if ids.device.type != "cpu":
+            raise BudgetError(f"{name}: expected host request ids, got a tensor on {ids.device}")
+        ids = ids.detach().numpy()
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise BudgetError(f"{name}: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        if ids.dtype.kind in "iuUS":
+            return ids
+        items = ids.tolist()
+    elif isinstance(ids, (str, bytes)):
+        raise BudgetError(f"{name}: expected a 1-D sequence of request ids, got {type(ids).__name__} {ids!r:.80}")
+    else:
+        try:
+            items = list(ids)
+        except TypeError as exc:
+            raise BudgetError(f"{name}: expected a 1-D sequence of request ids, got {type(ids).__name__}") from exc
+    ints = all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in items)
+    if items and (ints or all(isinstance(x, str) for x in items)):
+        return np.asarray(items)
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    for x in items:
+        if isinstance(x, (list, np.ndarray, dict, set)) or not isinstance(x, Hashable):
+            raise BudgetError(
+                f"{name}: expected a 1-D sequence of hashable request ids, got {type(x).__name__} {x!r:.80}"
+            )
+    arr = np.empty(len(items), dtype=object)
+    arr[:] = items
+    return arr
+
+
+def _unique(ids: npt.NDArray[Any]) -> bool:
+    """Whether the ids are distinct (object ids by hash and equality, as a layout's dict checks them)."""
+    if ids.dtype == object:
+        return len(set(ids.tolist())) == ids.shape[0]
+    return int(np.unique(ids).size) == ids.shape[0]
 
 
 def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -168,6 +218,9 @@ def grammar_limits(layout: ScheduledLayout, grammar: DraftMasks | None) -> IntAr
 class StepOutcome:
     """What verification found, per request id (any order, any subset of the batch).
 
+    Request ids are those a :class:`~maskplug.ScheduledLayout` takes (ints,
+    strings, tuples or other hashable values; see :func:`request_ids`).
+
     Attributes:
         req_ids: the requests that were verified.
         verified: drafts verified per request (its capacity this step).
@@ -181,9 +234,7 @@ class StepOutcome:
     finished: npt.NDArray[Any] = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     def __post_init__(self) -> None:
-        ids = np.asarray(self.req_ids)
-        if ids.ndim != 1:
-            raise BudgetError(f"req_ids: expected a 1-D sequence of request ids, got shape {ids.shape}")
+        ids = request_ids("req_ids", self.req_ids)
         n = ids.shape[0]
         arrs: dict[str, IntArray] = {}
         for name in ("verified", "accepted"):
@@ -199,11 +250,9 @@ class StepOutcome:
                 f"accepted: expected 0 <= accepted <= verified, got accepted={int(acc[bad])}, "
                 f"verified={int(v[bad])} for request {ids[bad]!r}"
             )
-        if n > 1 and np.unique(ids).size != n:
+        if n > 1 and not _unique(ids):
             raise BudgetError("req_ids: expected unique request ids in one outcome")
-        fin = np.asarray(self.finished)
-        if fin.ndim != 1:
-            raise BudgetError(f"finished: expected a 1-D sequence of request ids, got shape {fin.shape}")
+        fin = request_ids("finished", self.finished)
         object.__setattr__(self, "req_ids", _frozen(ids))
         object.__setattr__(self, "verified", _frozen(v))
         object.__setattr__(self, "accepted", _frozen(acc))

@@ -109,9 +109,7 @@ _MAX_FAILED_IN_A_ROW = 1000
 
 
 def make_scheduler(spec: str) -> Any:
-    """A scheduler from a spec: a registered name, or ``grammar-aware:INNER``."""
-    if spec.startswith("grammar-aware:"):
-        return get_scheduler("grammar-aware", inner=spec.split(":", 1)[1])
+    """A scheduler from a spec: a registered name, or ``grammar-aware:INNER`` (:func:`maskplug.get_scheduler`)."""
     return get_scheduler(spec)
 
 
