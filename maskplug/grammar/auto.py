@@ -85,6 +85,8 @@ class AutoProvider(ProviderBase[Any]):
 
     name = "auto"
     kinds = frozenset(SPEC_KINDS)
+    # Each grammar served is a candidate's, already checked by the candidate's own compile.
+    checks_start = False
 
     def __init__(
         self,

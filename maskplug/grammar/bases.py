@@ -23,7 +23,15 @@ from .protocols import BatchOps, CompiledGrammar, Matcher
 from .rows import stop_row
 from .spec import GrammarSpec, Vocab
 
-__all__ = ["BatchOpsBase", "ChainOpsBase", "CompileCache", "FailedMatcher", "MatcherBase", "ProviderBase"]
+__all__ = [
+    "BatchOpsBase",
+    "ChainOpsBase",
+    "CompileCache",
+    "FailedMatcher",
+    "MatcherBase",
+    "ProviderBase",
+    "check_start",
+]
 
 
 class CompileCache:
@@ -99,16 +107,69 @@ class ProviderBase(Generic[_G]):
         """Whether this provider compiles specs of ``kind``."""
         return kind in self.kinds
 
+    #: Whether :meth:`compile` checks the start of every grammar it compiles (see :func:`check_start`);
+    #: a provider whose grammars are other providers' grammars, already checked (auto), turns it off.
+    checks_start: ClassVar[bool] = True
+
     def compile(self, spec: GrammarSpec) -> _G:
-        """Compile ``spec`` for this provider's vocabulary (cached; failures are not)."""
+        """Compile ``spec`` for this provider's vocabulary (cached; failures are not).
+
+        A grammar whose start allows no token (not even a stop token), or for
+        a JSON kind only the stop tokens, admits no text: a
+        :class:`GrammarError`, not a grammar (:func:`check_start`).
+        """
         if not isinstance(spec, GrammarSpec):
             raise GrammarError(f"spec: expected a GrammarSpec, got {type(spec).__name__}")
         if not self.supports(spec.kind):
             raise GrammarError(f"spec.kind: provider {self.name!r} supports {sorted(self.kinds)}, got {spec.kind!r}")
-        return self.cache.get_or_compile(spec, self._compile)  # type: ignore[no-any-return]
+        if not self.checks_start:
+            return self.cache.get_or_compile(spec, self._compile)  # type: ignore[no-any-return]
+        return self.cache.get_or_compile(spec, self._compile_checked)  # type: ignore[no-any-return]
+
+    def _compile_checked(self, spec: GrammarSpec) -> _G:
+        grammar = self._compile(spec)
+        check_start(grammar, spec, self.vocab, self.name)
+        return grammar
 
     def _compile(self, spec: GrammarSpec) -> _G:
         raise NotImplementedError
+
+
+#: Spec kinds whose every text is a JSON value: the empty output is never one.
+_JSON_KINDS = frozenset({"json_schema", "json_object"})
+
+
+def check_start(grammar: Any, spec: GrammarSpec, vocab: Vocab, provider: str = "") -> None:
+    """:class:`GrammarError` when ``grammar``'s start admits no text.
+
+    A fresh matcher's first row is filled: when it allows no token at all
+    (not even a stop token), every logit would become ``-inf``; for a JSON
+    kind, a row allowing only stop tokens admits nothing but the empty output,
+    which is no JSON value. Engines build such grammars from schemas that
+    admit nothing (llguidance for ``{"$ref": "#"}``, every engine for the
+    regex ``[^\\s\\S]``, outlines-core for ``{"enum": []}``).
+    """
+    bitmask = vocab.new_bitmask(1)
+    try:
+        grammar.matcher().fill(bitmask, 0)
+    except MaskplugError:
+        raise
+    except Exception as exc:  # the engine's own failure on its first row: the compile's error
+        raise GrammarError(f"spec: {provider or 'the engine'} could not fill the first row: {exc}") from exc
+    row = bitmask[0].numpy().view(np.uint32)
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[: vocab.vocab_size]
+    allowed = np.flatnonzero(bits)
+    who = f"{provider} compiled" if provider else "it compiles to"
+    if allowed.size == 0:
+        raise GrammarError(
+            f"spec.source: this {spec.kind} spec admits no text: {who} a grammar whose start allows no token, "
+            "not even a stop token"
+        )
+    if spec.kind in _JSON_KINDS and np.isin(allowed, np.asarray(vocab.eos_ids, dtype=np.int64)).all():
+        raise GrammarError(
+            f"spec.source: this {spec.kind} spec admits only the empty output, which is no JSON value: {who} a "
+            "grammar whose start allows only the stop tokens"
+        )
 
 
 _M = TypeVar("_M", bound="MatcherBase")
