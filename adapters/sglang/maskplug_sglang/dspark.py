@@ -31,7 +31,6 @@ Both run on the host, on the same tensors SGLang hands its own code.
 from __future__ import annotations
 
 import importlib.metadata as md
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -424,11 +423,8 @@ class DSparkBudgetPlanner:
         if cost is not None and not isinstance(cost, CostModel):
             raise BudgetError(f"cost: expected a maskplug.CostModel or None, got {type(cost).__name__}")
         if scheduler is None or isinstance(scheduler, str):
-            name = scheduler if scheduler is not None else (os.environ.get("MASKPLUG_SCHEDULER") or None)
-            if isinstance(name, str) and name.startswith("grammar-aware:"):
-                config = {"inner": name.split(":", 1)[1], **config}
-                name = "grammar-aware"
-            self.scheduler: Scheduler = maskplug.get_scheduler(name, **config)
+            # maskplug's own spec parser reads names and MASKPLUG_SCHEDULER alike ("grammar-aware:X" included).
+            self.scheduler: Scheduler = maskplug.get_scheduler(scheduler, **config)
         else:
             if config:
                 raise BudgetError(f"config: expected none with a scheduler object, got {sorted(config)}")

@@ -97,6 +97,7 @@ from maskplug import (
     get_registry,
     get_scheduler,
 )
+from maskplug.schedulers import parse_scheduler_spec
 
 from . import confidences, metrics, patches
 from .confidences import CONFIDENCES_ATTR, DraftConfidences
@@ -233,19 +234,15 @@ def _cost_from_env() -> CostModel:
 
 
 def make_scheduler(name: str) -> Scheduler:
-    """A new scheduler from a ``MASKPLUG_VLLM_SCHEDULER`` value: a registered name, or ``grammar-aware:<inner>``."""
+    """A new scheduler from a ``MASKPLUG_VLLM_SCHEDULER`` value: a registered name, or ``grammar-aware:<inner>``.
+
+    The spelling is maskplug's one scheduler-spec parser's
+    (:func:`maskplug.schedulers.parse_scheduler_spec`); errors name the variable.
+    """
     if not isinstance(name, str) or not name.strip():
         raise PluginError(f"{SCHEDULER_ENV}: expected a scheduler name, got {name!r}")
-    name = name.strip()
-    if ":" in name:
-        outer, inner = (part.strip() for part in name.split(":", 1))
-        if outer != "grammar-aware" or not inner:
-            raise PluginError(
-                f"{SCHEDULER_ENV}: expected a registered scheduler name or 'grammar-aware:<inner>', got {name!r}"
-            )
-        get_scheduler(inner)  # an unknown inner name fails here, naming the registered ones
-        return get_scheduler("grammar-aware", inner=inner)
-    return get_scheduler(name)
+    spec = parse_scheduler_spec(name, SCHEDULER_ENV)
+    return get_scheduler(spec.name, **spec.config)
 
 
 # -- per-step bookkeeping -------------------------------------------------------------------------

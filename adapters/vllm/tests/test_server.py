@@ -219,3 +219,22 @@ def test_unsupported_configurations_are_refused_at_start(
     assert "PluginError" in log and re.search(message, log), log[-3000:]
     assert "EngineCore" not in log, "refused before any engine process started"
     assert time.monotonic() - start < 180
+
+
+def test_llm_with_vllm_defaults_is_lossless_and_counts(
+    models: tuple[Path, Path], base_tp1: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """``LLM(...)`` as most scripts start it: the engine core in its own process, counters read from it."""
+    got = tiny_model.run_script(
+        "llm_default_run.py",
+        models[0],
+        tmp_path / "out.json",
+        env={"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "goodput"},
+        timeout=400,
+    )
+    tokens = [o["tokens"] for o in got["outputs"]]
+    assert tokens == [b["tokens"] for b in base_tp1]
+    assert [o["finish_reason"] for o in got["outputs"]] == [b["finish_reason"] for b in base_tp1]
+    st = got["stats"]
+    assert st["scheduler"] == "goodput" and st["steps"] > 0
+    assert 0 < st["drafts_accepted"] <= st["drafts_verified"] <= st["drafts_scheduled"]
