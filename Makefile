@@ -1,7 +1,8 @@
 # maskplug — every target sets up what it needs.
 #   make demo   the main job: an end-to-end structured-output serving simulation
 #   make test   the whole test suite (core, plugins, engine adapters)
-#   make lint   ruff + mypy (every distribution and the tests; CI runs it before the tests)
+#   make lint   ruff + mypy (every distribution and the tests) + the API reference build; CI runs it before the tests
+#   make docs   the API reference from the docstrings (pdoc), into build/docs/index.html
 #   make bench  the benchmarks: maskplug bench, then the full scripts under benchmarks/
 
 PYTHON ?= python3
@@ -13,7 +14,7 @@ STAMP  := $(VENV)/.maskplug-installed
 PLUGIN_DIRS := $(patsubst %/pyproject.toml,%,$(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml))
 PLUGIN_ARGS := $(foreach d,$(PLUGIN_DIRS),-e $(d))
 
-.PHONY: venv demo demo-vllm test test-core test-engines lint bench clean
+.PHONY: venv demo demo-vllm test test-core test-engines lint docs bench clean
 
 $(STAMP): pyproject.toml constraints/cpu.txt $(wildcard requirements/*.txt) $(wildcard backends/*/pyproject.toml grammars/*/pyproject.toml)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +49,13 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 	cd adapters/vllm && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml maskplug_vllm tests
 	cd adapters/sglang && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml maskplug_sglang tests
+	$(MAKE) docs
+
+# The API reference: every public module of the core and of the plugin distributions, from their
+# docstrings. A module that fails to import or a docstring pdoc cannot process fails the build.
+docs: $(STAMP)
+	rm -rf build/docs
+	$(PY) docs/build_api.py build/docs
 
 bench: $(STAMP)
 	$(VENV)/bin/maskplug bench
