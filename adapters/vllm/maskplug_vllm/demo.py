@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -101,8 +102,10 @@ class Server:
     ``start`` polls ``/health`` until the server answers (``on_wait`` is
     called with the seconds waited, for progress), raising ``RuntimeError``
     with the end of the server's log if it exits or is not ready in
-    ``start_s``. A timer kills the whole group after ``lifetime_s`` whatever
-    the caller does; :meth:`stop` sends SIGTERM, then SIGKILL, to the group.
+    ``start_s``. The whole group is killed after ``lifetime_s`` whatever the
+    caller does: by a timer here, and by GNU ``timeout`` wrapping the server
+    (where it is installed) should this process die first. :meth:`stop` sends
+    SIGTERM, then SIGKILL, to the group.
     """
 
     def __init__(
@@ -129,8 +132,14 @@ class Server:
     def start(self, on_wait: Callable[[float], None] | None = None) -> None:
         """Start the server and wait until ``/health`` answers."""
         self._log = open(self.log_path, "wb")  # closed in stop()
+        args = list(self.args)
+        wrapper = shutil.which("timeout")
+        if wrapper:
+            # GNU timeout signals its whole process group: the lifetime holds even if this process is
+            # killed outright and its timer with it (SIGTERM, then SIGKILL 10 s later).
+            args = [wrapper, "-k", "10", f"{self.lifetime_s:.0f}", *args]
         self.proc = subprocess.Popen(
-            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self._timer = threading.Timer(self.lifetime_s, self.stop)
         self._timer.daemon = True
@@ -571,6 +580,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     parser = _parser()
@@ -586,6 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # start again with them set.
         os.environ.update(threads)
         os.execv(sys.executable, [sys.executable, "-m", "maskplug_vllm.demo", *sys.argv[1:]])
+    # SIGTERM ends the demo as Ctrl-C does, through the server's context manager, so the server's
+    # process group is stopped (the default action would exit without it).
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     out = _Out()
     recipe = demo_model.Recipe(steps=0 if args.no_train else args.train_steps, seconds=args.train_seconds)
     cache = Path(args.cache_dir) if args.cache_dir else demo_model.default_cache_dir()
@@ -641,4 +658,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; the server was stopped", file=sys.stderr)
+        sys.exit(130)

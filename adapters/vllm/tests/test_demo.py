@@ -188,6 +188,40 @@ def test_server_lifetime_is_bounded(tmp_path: Path) -> None:
     server.stop()
 
 
+KILLED_OWNER = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from maskplug_vllm.demo import Server
+    args = [sys.executable, sys.argv[1], sys.argv[2], sys.argv[3]]
+    server = Server(args, dict(os.environ), Path(sys.argv[4]), port=int(sys.argv[2]), start_s=60, lifetime_s=3)
+    server.start()
+    print(server.proc.pid, flush=True)
+    os._exit(0)  # as if killed: no stop(), no timer
+    """
+)
+
+
+def test_server_lifetime_holds_when_its_owner_dies(tmp_path: Path) -> None:
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE_SERVER)
+    owner = tmp_path / "owner.py"
+    owner.write_text(KILLED_OWNER)
+    child = tmp_path / "child.pid"
+    args = [str(owner), str(script), str(free_port()), str(child), str(tmp_path / "log")]
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pids = [int(out.stdout.split()[0])]
+    deadline = time.monotonic() + 30
+    while not child.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids.append(int(child.read_text()))
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in pids)
+
+
 def test_server_that_exits_at_start_is_reported(tmp_path: Path) -> None:
     args = [sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"]
     server = demo.Server(args, dict(os.environ), tmp_path / "log", port=free_port(), start_s=60, lifetime_s=60)
