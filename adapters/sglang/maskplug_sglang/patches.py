@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from maskplug import DraftMasks, PluginError
+from maskplug import DraftMasks
+from maskplug.engines.sdk import PatchSet
 
 from .dspark import (
     DSparkBudgetPlanner,
@@ -72,8 +73,8 @@ ENABLE_ENV = "MASKPLUG_SGLANG_DSPARK"
 
 logger = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+_patches = PatchSet("sglang", f"SGLang {', '.join(TESTED_SGLANG)}")
+_lock = _patches.lock
 _local = threading.local()
 
 WORKER = "sglang.srt.speculative.dspark_components.dspark_worker_v2"
@@ -101,28 +102,17 @@ def current_step() -> DecodeStep | None:
     return getattr(_local, "step", None)
 
 
-def _replace(owner: Any, attr: str, new: Any) -> None:
-    key = (id(owner), attr)
-    if key in _originals:
-        return
-    if not hasattr(owner, attr):
-        raise PluginError(
-            f"sglang internals: expected {getattr(owner, '__name__', owner)!r} to define {attr!r} "
-            f"(tested with SGLang {', '.join(TESTED_SGLANG)}), got nothing; this SGLang build does not match"
-        )
-    _originals[key] = (owner, attr, getattr(owner, attr))
-    setattr(owner, attr, new)
+_replace = _patches.replace
 
 
 def original(owner: Any, attr: str) -> Any:
     """SGLang's own implementation of a patched attribute (the current one when not patched)."""
-    entry = _originals.get((id(owner), attr))
-    return entry[2] if entry is not None else getattr(owner, attr)
+    return _patches.original(owner, attr)
 
 
 def installed() -> bool:
     """Whether the patches are in place in this process."""
-    return bool(_originals)
+    return _patches.installed()
 
 
 # -- the replacements ----------------------------------------------------------------------
@@ -350,10 +340,7 @@ def install() -> None:
 
 def uninstall() -> None:
     """Put SGLang's own implementations back."""
-    with _lock:
-        for owner, attr, value in list(_originals.values())[::-1]:
-            setattr(owner, attr, value)
-        _originals.clear()
+    _patches.uninstall()
 
 
 def enabled_by_env() -> bool:

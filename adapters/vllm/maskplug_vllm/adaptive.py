@@ -97,6 +97,7 @@ from maskplug import (
     get_registry,
     get_scheduler,
 )
+from maskplug.engines.sdk import wraps
 from maskplug.schedulers import parse_scheduler_spec
 
 from . import confidences, metrics, patches
@@ -539,9 +540,7 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         pending[id(so)] = (so, grammar_output, plan)
         return so
 
-    schedule.__doc__ = orig.__doc__
-    schedule.__wrapped__ = orig  # type: ignore[attr-defined]
-    return schedule
+    return wraps(orig)(schedule)
 
 
 def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -551,9 +550,7 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
             return entry[1]
         return orig(self, scheduler_output)
 
-    get_grammar_bitmask.__doc__ = orig.__doc__
-    get_grammar_bitmask.__wrapped__ = orig  # type: ignore[attr-defined]
-    return get_grammar_bitmask
+    return wraps(orig)(get_grammar_bitmask)
 
 
 def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -564,9 +561,7 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
             ctl.finish(entry[2], model_runner_output)
         return orig(self, scheduler_output, model_runner_output)
 
-    update_from_output.__doc__ = orig.__doc__
-    update_from_output.__wrapped__ = orig  # type: ignore[attr-defined]
-    return update_from_output
+    return wraps(orig)(update_from_output)
 
 
 def _make_update_draft_token_ids(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -577,18 +572,14 @@ def _make_update_draft_token_ids(orig: Callable[..., Any]) -> Callable[..., Any]
             ctl.confidences.record(list(draft_token_ids.req_ids), conf)
         return orig(self, draft_token_ids)
 
-    update_draft_token_ids.__doc__ = orig.__doc__
-    update_draft_token_ids.__wrapped__ = orig  # type: ignore[attr-defined]
-    return update_draft_token_ids
+    return wraps(orig)(update_draft_token_ids)
 
 
 def _make_execute_model(orig: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         return orig(self, compacted_output(scheduler_output), intermediate_tensors)
 
-    execute_model.__doc__ = orig.__doc__
-    execute_model.__wrapped__ = orig  # type: ignore[attr-defined]
-    return execute_model
+    return wraps(orig)(execute_model)
 
 
 def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel | None = None) -> None:
@@ -741,9 +732,7 @@ def _make_create_engine_config(orig: Callable[..., Any]) -> Callable[..., Any]:
             check_config(config)
         return config
 
-    create_engine_config.__doc__ = orig.__doc__
-    create_engine_config.__wrapped__ = orig  # type: ignore[attr-defined]
-    return create_engine_config
+    return wraps(orig)(create_engine_config)
 
 
 def adaptive_installed() -> bool:

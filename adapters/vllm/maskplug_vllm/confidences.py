@@ -27,6 +27,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from maskplug.engines.sdk import wraps
+
 __all__ = ["CONFIDENCES_ATTR", "DraftConfidences", "make_greedy_sample", "make_propose", "make_take_draft_token_ids"]
 
 CONFIDENCES_ATTR = "maskplug_confidences"
@@ -111,9 +113,7 @@ def make_greedy_sample(orig: Callable[..., Any]) -> Callable[..., Any]:
         record.append(probs)
         return ids
 
-    _greedy_sample.__doc__ = orig.__doc__
-    _greedy_sample.__wrapped__ = orig  # type: ignore[attr-defined]
-    return _greedy_sample
+    return wraps(orig)(_greedy_sample)
 
 
 def make_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -133,9 +133,7 @@ def make_propose(orig: Callable[..., Any]) -> Callable[..., Any]:
             self._maskplug_confidences = None
         return out
 
-    propose.__doc__ = orig.__doc__
-    propose.__wrapped__ = orig  # type: ignore[attr-defined]
-    return propose
+    return wraps(orig)(propose)
 
 
 def make_take_draft_token_ids(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -149,6 +147,4 @@ def make_take_draft_token_ids(orig: Callable[..., Any]) -> Callable[..., Any]:
             setattr(out, CONFIDENCES_ATTR, conf[: len(out.req_ids)].tolist())
         return out
 
-    take_draft_token_ids.__doc__ = orig.__doc__
-    take_draft_token_ids.__wrapped__ = orig  # type: ignore[attr-defined]
-    return take_draft_token_ids
+    return wraps(orig)(take_draft_token_ids)

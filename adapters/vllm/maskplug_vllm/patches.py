@@ -31,12 +31,12 @@ from __future__ import annotations
 import importlib
 import importlib.metadata as md
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from maskplug import PluginError
+from maskplug.engines.sdk import PatchSet
 
 __all__ = [
     "TESTED_VLLM_VERSIONS",
@@ -56,9 +56,6 @@ TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0", "0.33.0")
 CUDA ``vllm`` wheel installed without its dependencies beside a CPU torch (its
 structured-output, worker and adaptive-verification modules import and are
 tested function by function; no engine runs without CUDA)."""
-
-_lock = threading.Lock()
-_originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
 
 
 def vllm_version() -> str:
@@ -88,28 +85,19 @@ def check_vllm_version(version: str | None = None) -> str:
     return v
 
 
-def _replace(owner: Any, attr: str, new: Any) -> None:
-    key = (id(owner), attr)
-    if key in _originals:
-        return
-    if not hasattr(owner, attr):
-        raise PluginError(
-            f"vllm internals: expected {getattr(owner, '__name__', owner)!r} to define {attr!r} "
-            f"(vLLM {vllm_version()}), got nothing; this vLLM build does not match the tested source"
-        )
-    _originals[key] = (owner, attr, getattr(owner, attr))
-    setattr(owner, attr, new)
+_patches = PatchSet("vllm", lambda: f"vLLM {vllm_version()}")
+_lock = _patches.lock
+_replace = _patches.replace
 
 
 def original(owner: Any, attr: str) -> Any:
     """vLLM's own implementation of a patched attribute (the current one when not patched)."""
-    entry = _originals.get((id(owner), attr))
-    return entry[2] if entry is not None else getattr(owner, attr)
+    return _patches.original(owner, attr)
 
 
 def installed() -> bool:
     """Whether the patches are in place in this process."""
-    return bool(_originals)
+    return _patches.installed()
 
 
 @dataclass(frozen=True)
@@ -199,7 +187,4 @@ def _method(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def uninstall() -> None:
     """Put vLLM's own implementations back."""
-    with _lock:
-        for owner, attr, value in list(_originals.values())[::-1]:
-            setattr(owner, attr, value)
-        _originals.clear()
+    _patches.uninstall()

@@ -1,0 +1,1 @@
+"""What engine adapters share: :mod:`maskplug.engines.sdk`."""
