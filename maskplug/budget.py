@@ -11,7 +11,7 @@ step's grammar rejects out of the budget.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -195,6 +195,50 @@ class CostModel:
         """Drafting cost for ``num_reqs`` requests (scalar or array)."""
         return self._draft(num_reqs)
 
+    @property
+    def tabulated(self) -> bool:
+        """Whether the step costs are this class's own curves (not a subclass's ``draft_ms`` / ``verify_ms``).
+
+        Tabulated costs are non-decreasing by construction and depend on the
+        sizes alone, so callers may keep :meth:`step_costs` results for sizes
+        that repeat.
+        """
+        cls = type(self)
+        return cls.draft_ms is CostModel.draft_ms and cls.verify_ms is CostModel.verify_ms
+
+    def step_costs(self, num_reqs: int, num_tokens: int, count: int) -> FloatArray:
+        """``draft_ms(num_reqs) + verify_ms(num_tokens + b)`` for ``b = 0 .. count - 1``, a new float64 array.
+
+        The step costs of every budget of a batch of ``num_reqs`` requests with
+        ``num_tokens`` tokens besides its drafts. A subclass's own costs are
+        checked (``count`` finite values, non-decreasing); every cost must be
+        positive. Raises :class:`BudgetError` otherwise.
+        """
+        if self.tabulated:
+            # Consecutive sizes: slice the tabulated curve instead of gathering from it.
+            costs = self._draft.span(num_reqs, 1)[0] + self._verify.span(num_tokens, count)
+            # Non-decreasing by construction: the first cost is the smallest.
+            if count and costs[0] <= 0:
+                raise BudgetError(f"cost: expected positive step costs, got {float(costs[0])} ms")
+            return costs
+        costs = np.asarray(self.draft_ms(num_reqs), dtype=np.float64) + np.asarray(
+            self.verify_ms(np.arange(num_tokens, num_tokens + count)), dtype=np.float64
+        )
+        if costs.shape != (count,) or not np.isfinite(costs).all():
+            bad = costs if costs.shape != (count,) else costs[~np.isfinite(costs)][:3]
+            raise BudgetError(f"cost: expected {count} finite step costs, got {bad.tolist()}")
+        # Only a subclass can break the monotone-cost contract; the curves above keep it by construction.
+        falls = np.flatnonzero(np.diff(costs) < 0)
+        if falls.size:
+            b = int(falls[0])
+            raise BudgetError(
+                f"cost: expected step costs non-decreasing in the budget, got {float(costs[b])} ms at budget {b} "
+                f"and {float(costs[b + 1])} ms at budget {b + 1}"
+            )
+        if np.any(costs <= 0):
+            raise BudgetError(f"cost: expected positive step costs, got {float(costs.min())} ms")
+        return costs
+
     def verify_ms(self, num_tokens: Any) -> Any:
         """Verification (target forward) cost for ``num_tokens`` tokens (scalar or array)."""
         return self._verify(num_tokens)
@@ -218,6 +262,18 @@ def host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "conf
     a copy when the input already is a float64 array. ``arg`` names the
     argument in the :class:`BudgetError`.
     """
+    n = layout.n
+    k = int(layout.num_drafts.max()) if n else 0
+    return _checked_confidences(_host_float64(confidences, n, arg), n, layout.num_drafts, k, arg)
+
+
+def _host_float64(confidences: Any, n: int, arg: str = "confidences") -> FloatArray:
+    """The conversion of :func:`host_confidences`: a float64 host array (not yet checked), ``n`` the batch size."""
+    return _host_array(confidences, n, arg).astype(np.float64, copy=False)
+
+
+def _host_array(confidences: Any, n: int, arg: str = "confidences") -> npt.NDArray[Any]:
+    """:func:`_host_float64` short of the last step: float arrays keep their dtype (integers become float64)."""
     if isinstance(confidences, torch.Tensor):
         if confidences.device.type != "cpu":
             raise BudgetError(f"{arg}: expected a host array (stale confidences), got a tensor on {confidences.device}")
@@ -233,18 +289,38 @@ def host_confidences(confidences: Any, layout: ScheduledLayout, arg: str = "conf
             raise BudgetError(f"{arg}: expected a 2-D float array, got {type(confidences).__name__}") from err
     if conf.size and conf.dtype.kind not in "fiu":
         raise BudgetError(f"{arg}: expected a float array, got dtype {conf.dtype}")
-    conf = conf.astype(np.float64, copy=False)
-    if conf.ndim == 1 and layout.n == 0 and conf.size == 0:
+    if conf.dtype.kind != "f":
+        conf = conf.astype(np.float64)
+    if conf.ndim == 1 and n == 0 and conf.size == 0:
         conf = conf.reshape(0, 0)
-    if conf.ndim != 2 or conf.shape[0] != layout.n:
-        raise BudgetError(f"{arg}: expected shape ({layout.n}, max_drafts), got {conf.shape}")
-    k = int(layout.num_drafts.max()) if layout.n else 0
+    return conf
+
+
+def _checked_confidences(
+    conf: FloatArray, n: int, num_drafts: npt.NDArray[np.int64], k: int, arg: str = "confidences"
+) -> FloatArray:
+    """The shape and value checks of :func:`host_confidences` on a float64 array, ``k`` the most drafts."""
+    conf = _checked_shape(conf, n, k, arg)
+    _checked_values(conf, num_drafts, k, arg)
+    return conf
+
+
+def _checked_shape(conf: FloatArray, n: int, k: int, arg: str = "confidences") -> FloatArray:
+    """The shape checks of :func:`host_confidences`: ``(n, ≥ k)``."""
+    if conf.ndim != 2 or conf.shape[0] != n:
+        raise BudgetError(f"{arg}: expected shape ({n}, max_drafts), got {conf.shape}")
     if conf.shape[1] < k:
         raise BudgetError(f"{arg}: expected at least {k} columns (the most drafts of any request), got {conf.shape[1]}")
-    head = conf[:, :k]
-    # Stale columns past a request's drafts may hold anything: only scheduled drafts are checked.
-    check_unit_interval(arg, head, BudgetError, layout.num_drafts)
     return conf
+
+
+def _checked_values(conf: FloatArray, num_drafts: npt.NDArray[np.int64], k: int, arg: str = "confidences") -> None:
+    """The value check of :func:`host_confidences`: scheduled drafts' confidences in ``[0, 1]``, no NaN."""
+    head = conf[:, :k]
+    # Two reductions pass exactly when every value lies in [0, 1] (a NaN fails both); only then is
+    # the full check, which ignores stale columns past a request's drafts, skipped.
+    if head.size and not (head.min() >= 0.0 and head.max() <= 1.0):
+        check_unit_interval(arg, head, BudgetError, num_drafts)
 
 
 def grammar_confidences(conf: FloatArray, layout: ScheduledLayout, grammar: DraftMasks) -> FloatArray:
@@ -285,17 +361,45 @@ def survival(conf: FloatArray, num_drafts: npt.NDArray[np.int64]) -> FloatArray:
     return np.where(valid, s, 0.0)
 
 
-def _sorted_survivals(conf: FloatArray, num_drafts: npt.NDArray[np.int64]) -> FloatArray:
-    """The survivals of every scheduled draft, largest first (the values :func:`survival` holds)."""
-    k = int(num_drafts.max()) if num_drafts.size else 0
+#: From this many requests on, survivals are multiplied column by column (a few long vector products)
+#: instead of by cumprod along each short row.
+_COLUMNWISE_FROM = 64
+
+
+def _sorted_survivals(
+    conf: FloatArray, num_drafts: npt.NDArray[np.int64], k: int | None = None, live: Any = None
+) -> FloatArray:
+    """The survivals of every scheduled draft, largest first (the values :func:`survival` holds).
+
+    ``k`` (the most drafts of any request) and ``live`` (the ``(n, k)`` mask of
+    scheduled drafts, or ``None`` when every request has ``k``) are worked out
+    from ``num_drafts`` unless a caller that already knows them passes them.
+    """
+    n = num_drafts.shape[0]
+    if k is None:
+        k = int(num_drafts.max()) if n else 0
+        if k and int(num_drafts.min()) != k:
+            live = np.arange(k)[None, :] < num_drafts[:, None]
     if k == 0:
         return np.zeros(0, dtype=np.float64)
     # Products run left to right, so stale junk past a request's drafts never
     # reaches its scheduled positions.
-    s = np.cumprod(conf[:, :k], axis=1)
-    flat = s.ravel() if int(num_drafts.min()) == k else s[np.arange(k)[None, :] < num_drafts[:, None]]
-    # Only the sorted values matter (their sum), so an unstable sort is fine and several times faster.
-    return np.sort(flat)[::-1]
+    if n < _COLUMNWISE_FROM:
+        # In float64 whatever the input's float dtype (each value converted exactly first, as astype does).
+        s = np.cumprod(conf[:, :k], axis=1, dtype=np.float64)
+        flat = s.ravel() if live is None else s[live]
+    else:
+        # Column by column: the same products in the same order as cumprod along rows, laid out
+        # draft-major (the order is irrelevant: they are sorted next).
+        cols = np.empty((k, n), dtype=np.float64)
+        cols[:] = conf[:, :k].T
+        for j in range(1, k):
+            np.multiply(cols[j - 1], cols[j], out=cols[j])
+        flat = cols.ravel() if live is None else cols[live.T]
+    # A new array either way (the products), so it is sorted in place. Only the sorted values matter
+    # (their sum), so an unstable sort is fine and several times faster.
+    flat.sort()
+    return flat[::-1]
 
 
 def choose_budget(
@@ -319,11 +423,45 @@ def choose_budget(
         raise BudgetError(f"layout: expected a ScheduledLayout, got {type(layout).__name__}")
     if not isinstance(cost, CostModel):
         raise BudgetError(f"cost: expected a CostModel, got {type(cost).__name__}")
-    conf = host_confidences(confidences, layout)
+    n = layout.n
+    k = int(layout.num_drafts.max()) if n else 0
+    if grammar is None:
+        base = int(layout.num_non_draft.sum())
+        conf = _host_array(confidences, n)
+        return choose_checked(conf, layout, k, None, num_sampling, max_logits, lambda m: cost.step_costs(n, base, m))
+    conf = _checked_confidences(_host_float64(confidences, n), n, layout.num_drafts, k)
     ns, cap = budget_bounds(layout, num_sampling, max_logits)
-    if grammar is not None:
-        conf = grammar_confidences(conf, layout, grammar)
+    conf = grammar_confidences(conf, layout, grammar)
     return best_budget(_sorted_survivals(conf, layout.num_drafts)[:cap], ns, layout, cost)
+
+
+def choose_checked(
+    conf: npt.NDArray[Any],
+    layout: ScheduledLayout,
+    k: int,
+    live: Any,
+    num_sampling: Any,
+    max_logits: Any,
+    step_costs: Callable[[int], FloatArray],
+) -> BudgetDecision:
+    """:func:`choose_budget` without grammar, from a converted ``conf`` (:func:`_host_array`, unchecked) on.
+
+    ``k`` is the most drafts of any request, ``live`` the ``(n, k)`` mask of
+    scheduled drafts (``None`` when every request has ``k``, or when unknown: it
+    is then worked out if needed) and ``step_costs(m)`` the step costs of budgets
+    ``0 .. m - 1`` (:meth:`CostModel.step_costs` of the layout's sizes). Checks
+    and errors come in :func:`choose_budget`'s order: the shape and values of
+    ``conf``, then ``num_sampling`` and ``max_logits``, then the costs.
+    """
+    n = layout.n
+    nd = layout.num_drafts
+    conf = _checked_shape(conf, n, k)
+    _checked_values(conf, nd, k)
+    ns, cap = budget_bounds(layout, num_sampling, max_logits)
+    if live is None and k and layout.total_drafts != n * k:
+        live = np.arange(k)[None, :] < nd[:, None]
+    top = _sorted_survivals(conf, nd, k, live)[:cap]
+    return best_of(top, ns, step_costs(cap + 1))
 
 
 def budget_bounds(layout: ScheduledLayout, num_sampling: Any, max_logits: Any) -> tuple[int, int]:
@@ -358,36 +496,22 @@ def best_budget(top: FloatArray, num_sampling: int, layout: ScheduledLayout, cos
     be positive. Shared by :func:`choose_budget` and
     :func:`maskplug.choose_tree_budget`.
     """
-    n = layout.n
-    cap = int(top.shape[0])
-    est = np.empty(cap + 1, dtype=np.float64)
-    est[0] = float(num_sampling)
-    np.cumsum(top, out=est[1:])
-    est[1:] += float(num_sampling)
-    base = int(layout.num_non_draft.sum())
-    if type(cost).draft_ms is CostModel.draft_ms and type(cost).verify_ms is CostModel.verify_ms:
-        # Consecutive sizes: slice the tabulated curve instead of gathering from it.
-        costs = cost._draft.span(n, 1)[0] + cost._verify.span(base, cap + 1)
-    else:  # a subclass with its own cost functions
-        costs = np.asarray(cost.draft_ms(n), dtype=np.float64) + np.asarray(
-            cost.verify_ms(np.arange(base, base + cap + 1)), dtype=np.float64
-        )
-        if costs.shape != (cap + 1,) or not np.isfinite(costs).all():
-            bad = costs if costs.shape != (cap + 1,) else costs[~np.isfinite(costs)][:3]
-            raise BudgetError(f"cost: expected {cap + 1} finite step costs, got {bad.tolist()}")
-        # Only a subclass can break the monotone-cost contract; the curves above keep it by construction.
-        falls = np.flatnonzero(np.diff(costs) < 0)
-        if falls.size:
-            b = int(falls[0])
-            raise BudgetError(
-                f"cost: expected step costs non-decreasing in the budget, got {float(costs[b])} ms at budget {b} "
-                f"and {float(costs[b + 1])} ms at budget {b + 1}"
-            )
-    if np.any(costs <= 0):
-        raise BudgetError(f"cost: expected positive step costs, got {float(costs.min())} ms")
-    ratio = est / costs
-    b = int(np.argmax(ratio))  # first maximum: ties go to the smallest budget
-    return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
+    costs = cost.step_costs(layout.n, int(layout.num_non_draft.sum()), int(top.shape[0]) + 1)
+    return best_of(top, num_sampling, costs)
+
+
+def best_of(top: FloatArray, num_sampling: int, costs: FloatArray) -> BudgetDecision:
+    """:func:`best_budget` once the step costs of budgets ``0 .. len(top)`` are known (checked, positive)."""
+    nsf = float(num_sampling)
+    c0 = costs.item(0)  # .item: a Python float without a numpy scalar in between
+    if top.shape[0]:
+        est = np.cumsum(top)  # est(b) for b >= 1: Σ top[:b], then num_sampling added
+        est += nsf
+        ratio = est / costs[1:]
+        b = int(ratio.argmax())  # the first maximum: ties go to the smallest budget, 0 included below
+        if ratio.item(b) > nsf / c0:
+            return BudgetDecision(budget=b + 1, expected_tokens=est.item(b), cost_ms=costs.item(b + 1))
+    return BudgetDecision(budget=0, expected_tokens=nsf, cost_ms=c0)
 
 
 def _live(arg: str, confidences: Any, n: int | None = None) -> torch.Tensor:

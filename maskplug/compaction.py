@@ -96,15 +96,35 @@ def compact(layout: ScheduledLayout, budget: int | np.integer[Any] | torch.Tenso
         if int(cap.sum()) != budget:
             raise BudgetError(f"capacity: expected a sum equal to budget {budget}, got {int(cap.sum())}")
         return Compaction(regime, layout.num_non_draft + cap, _cu(cap + nb), True)
+    return compact_checked(layout, budget)
+
+
+def compact_checked(layout: ScheduledLayout, budget: int) -> Compaction:
+    """:func:`compact` without a capacity, for a budget already known to lie in ``[0, Σ num_drafts]``.
+
+    For callers that chose the budget themselves (:class:`~maskplug.StepPlanner`):
+    ``budget`` is a Python int and is not checked again. Every array returned
+    is new.
+    """
+    regime = regime_of(layout, budget)
     if regime == "full":
         return Compaction(regime, layout.num_non_draft + layout.num_drafts, layout.cu_scheduled.copy(), True)
     if regime == "zero":
-        return Compaction(regime, layout.num_non_draft.copy(), np.arange(layout.n + 1, dtype=np.int64) * nb, True)
+        zero_cu = np.arange(layout.n + 1, dtype=np.int64)
+        zero_cu *= layout.num_bonus
+        return Compaction(regime, layout.num_non_draft.copy(), zero_cu, True)
     # Partial: the split is decided on the device; hand drafts out front to back
-    # so that at least the total is right.
-    before = _cu(layout.num_drafts)[:-1]
-    placeholder = np.clip(budget - before, 0, layout.num_drafts)
-    return Compaction(regime, layout.num_non_draft + placeholder, layout.cu_scheduled.copy(), False)
+    # so that at least the total is right: clip(budget - before, 0, num_drafts), with
+    # the ufuncs called directly (np.clip's dispatch costs more than the work here).
+    nd = layout.num_drafts
+    placeholder = np.empty(layout.n, dtype=np.int64)
+    if layout.n:
+        placeholder[0] = budget
+        np.subtract(budget, np.cumsum(nd[:-1]), out=placeholder[1:])
+    np.maximum(placeholder, 0, out=placeholder)
+    np.minimum(placeholder, nd, out=placeholder)
+    placeholder += layout.num_non_draft
+    return Compaction(regime, placeholder, layout.cu_scheduled.copy(), False)
 
 
 def active_cu_logits(capacity: torch.Tensor, num_bonus: int = 1) -> torch.Tensor:

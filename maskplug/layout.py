@@ -26,8 +26,18 @@ IntArray = npt.NDArray[np.int64]
 
 
 def _as_counts(name: str, values: Any, n: int | None = None) -> IntArray:
-    """Per-request counts: integers in ``[0, 2**31 - 1]`` (whole-number floats accepted), one per request."""
-    return host_ints(name, values, LayoutError, n=n, integral_floats=True)
+    """Per-request counts: integers in ``[0, 2**31 - 1]`` (whole-number floats accepted), one per request.
+
+    Always an array of the layout's own: the checks hand an int64 array or a
+    host int64 tensor on as it is, and a layout that kept the caller's buffer
+    would change when the engine refills it (while ``total_drafts`` and
+    ``cu_scheduled``, computed once, would not).
+    """
+    out = host_ints(name, values, LayoutError, n=n, integral_floats=True)
+    # A fresh array (converted from a list, or from another dtype) has no base and is not the input.
+    if out is values or out.base is not None:
+        out = out.copy()
+    return out
 
 
 def _plain(value: Any) -> Any:
@@ -134,6 +144,33 @@ class ScheduledLayout:
         np.cumsum(self.num_drafts + self.num_bonus, out=cu[1:])
         self.cu_scheduled = cu
 
+    def _with_counts(
+        self,
+        num_drafts: IntArray,
+        num_non_draft: IntArray,
+        total_drafts: int,
+        cu_scheduled: IntArray,
+    ) -> ScheduledLayout:
+        """A layout of the same requests (sharing this one's id index) with counts the caller already checked.
+
+        For maskplug's own callers that checked the counts the constructor's way
+        (:class:`~maskplug.StepPlanner`): nothing is validated or copied.
+        ``num_drafts`` and ``num_non_draft`` must be 1-D int64 arrays of
+        ``n`` values in ``[0, 2**31 - 1]``, ``total_drafts`` their draft sum
+        and ``cu_scheduled`` ``[0, cumsum(num_drafts + num_bonus)]``, all of
+        them the new layout's own (no other holder writes into them).
+        """
+        out = ScheduledLayout.__new__(ScheduledLayout)
+        out._ids = self._ids
+        out._index = self._index
+        out._req_ids = self._req_ids
+        out.num_drafts = num_drafts
+        out.num_non_draft = num_non_draft
+        out.num_bonus = self.num_bonus
+        out.total_drafts = total_drafts
+        out.cu_scheduled = cu_scheduled
+        return out
+
     @property
     def req_ids(self) -> npt.NDArray[Any]:
         """The request ids in batch order, as a 1-D numpy array (built on first use)."""
@@ -182,6 +219,52 @@ class RowMapping:
 
     request: npt.NDArray[np.int32]
     position: npt.NDArray[np.int32]
+
+    @classmethod
+    def _checked(cls, request: npt.NDArray[np.int32], position: npt.NDArray[np.int32], needs: int) -> RowMapping:
+        """A mapping built by maskplug from a checked layout, marked so that the apply trusts it.
+
+        ``request`` and ``position`` are C-contiguous int32 arrays of equal
+        length no one else holds, with every ``request`` in ``[-1, needs)`` and
+        every ``position`` of a used row ``>= 0``. The mapping shows read-only
+        views of them (so the values the apply skips checking cannot change
+        afterwards) and records ``needs``, the fewest requests its offsets must
+        cover.
+        """
+        out = cls.__new__(cls)
+        views = []
+        for arr in (request, position):
+            view = arr.view()
+            view.flags.writeable = False
+            views.append(view)
+        object.__setattr__(out, "request", views[0])
+        object.__setattr__(out, "position", views[1])
+        object.__setattr__(out, "_needs", needs)
+        object.__setattr__(out, "_owners", (request, position))
+        return out
+
+    def _trusted_needs(self) -> int | None:
+        """The fewest requests the offsets must cover when the values need no check, else ``None``.
+
+        Only a mapping from :meth:`_checked` whose arrays are still its own
+        read-only views qualifies.
+        """
+        needs: int | None = self.__dict__.get("_needs")
+        if needs is None or self.request.flags.writeable or self.position.flags.writeable:
+            return None
+        return needs
+
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``request`` and ``position`` as host int32 tensors over the same memory (made once; checked mappings only)."""
+        t: tuple[torch.Tensor, torch.Tensor] | None = self.__dict__.get("_host_tensors")
+        if t is None:
+            import torch
+
+            # Over the writable owners: torch warns about tensors over read-only memory.
+            owners = self.__dict__["_owners"]
+            t = (torch.from_numpy(owners[0]), torch.from_numpy(owners[1]))
+            object.__setattr__(self, "_host_tensors", t)
+        return t
 
     def __post_init__(self) -> None:
         for name in ("request", "position"):
@@ -275,8 +358,42 @@ class GrammarRows:
         return int(self.rows_per_request(layout).sum())
 
     def mapping(self, layout: ScheduledLayout) -> RowMapping:
-        """Row → (request, position), built from the scheduled layout only (vectorised)."""
+        """Row → (request, position), built from the scheduled layout only (vectorised; arrays read-only)."""
         idx = self.batch_indices(layout)
+        return self._mapping_at(layout, idx, idx.astype(np.int32))
+
+    def _mapping_at(
+        self,
+        layout: ScheduledLayout,
+        idx: IntArray,
+        idx32: npt.NDArray[np.int32],
+        rows: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.bool_]] | None = None,
+        needs: int | None = None,
+        most_rows: int | None = None,
+    ) -> RowMapping:
+        """:meth:`mapping` once the grammar requests' batch indices ``idx`` (and as int32, ``idx32``) are known.
+
+        For a caller that maps the same grammar requests step after step
+        (:class:`~maskplug.StepPlanner`), which may also pass:
+
+        * ``rows``: ``(request, position, mask)``; the tables of shape
+          ``(len(idx), ≥ w)``, row ``i`` all ``idx[i]`` and ``0, 1, ...``, and
+          ``mask`` of shape ``(n, w)`` in batch order, ``mask[r, p]`` whether
+          ``p < num_drafts[r] + num_bonus``. Ragged rows are then picked with one
+          mask (a third of the time of the two repeats below at 8 requests,
+          about the same at 1024);
+        * ``needs``: ``max(idx) + 1`` (0 when empty);
+        * ``most_rows``: a bound on the rows (the batch's drafts plus its bonus
+          rows); at most ``2**31 - 1``, the rows need not be counted.
+        """
+        ragged = self.mode == "ragged"
+        if needs is None:
+            needs = int(idx.max()) + 1 if idx.size else 0
+        if rows is not None and ragged and most_rows is not None and most_rows <= INT32_MAX:
+            req_t, pos_t, mask = rows
+            w = mask.shape[1]
+            keep = mask[idx]
+            return RowMapping._checked(req_t[:, :w][keep], pos_t[:, :w][keep], needs)
         per = self._rows(layout, idx)
         total = int(per.sum())
         if total > INT32_MAX:
@@ -285,13 +402,14 @@ class GrammarRows:
         starts = np.zeros(per.shape[0], dtype=np.int32)
         if per.shape[0] > 1:
             np.cumsum(per[:-1], out=starts[1:])
-        request = np.repeat(idx.astype(np.int32), per)
-        position = np.arange(total, dtype=np.int32) - np.repeat(starts, per)
+        request = np.repeat(idx32, per)
+        position = np.arange(total, dtype=np.int32)
+        position -= np.repeat(starts, per)
         if self.mode == "fixed":
             unused = position >= np.repeat((layout.num_drafts[idx] + layout.num_bonus).astype(np.int32), per)
             request[unused] = -1
             position[unused] = -1
-        return RowMapping(request, position)
+        return RowMapping._checked(request, position, needs)
 
     def __repr__(self) -> str:
         return f"GrammarRows({self.grammar_req_ids.tolist()!r}, mode={self.mode!r}, stride={self.stride})"

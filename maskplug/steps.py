@@ -3,19 +3,24 @@
 Between two steps of a running batch the requests usually stay the same; only
 their drafts (and the stale confidences) change. :class:`StepPlanner` does
 once, when the batch is formed, what depends on the requests alone (the id
-index, the grammar requests' batch indices, the draft cost of the batch) and
-then, per step, only what depends on the drafts:
+index, the grammar requests' batch indices) and then, per step, only what
+depends on the counts:
 
 * the :class:`~maskplug.ScheduledLayout` of the step,
 * the verify budget of :func:`~maskplug.choose_budget` (or a budget given),
 * the :func:`~maskplug.compact` view of the trimmed batch,
-* the ragged :class:`~maskplug.RowMapping` of :meth:`~maskplug.GrammarRows.mapping`.
+* the :class:`~maskplug.RowMapping` of :meth:`~maskplug.GrammarRows.mapping`.
 
-Each is exactly what those functions return for the same arguments; the
-planner is only faster. Validation is the same too: every argument goes
-through the core's own checks (:func:`maskplug.budget.host_confidences`, the
-layout's count checks, :func:`~maskplug.compact`'s budget checks), so a bad
-call raises the same :class:`~maskplug.MaskplugError` and returns nothing.
+The planner is a cache around the core, not a second implementation: each
+part is computed by the same core function the plain path calls (the layout's
+count checks, :func:`maskplug.budget.host_confidences`' checks, the sorted
+survivals, :meth:`~maskplug.CostModel.step_costs`, compaction and the mapping),
+only with what repeats kept: the ids and grammar indices for the planner's
+life, and what follows from the draft counts and the token counts, each kept
+while it repeats the last step's (compared by value, so buffers refilled in
+place are fine). So each result is exactly what those functions return for the
+same arguments, and a bad call raises the same :class:`~maskplug.MaskplugError`
+and returns nothing.
 
 When the requests change (one finishes, one joins), build a new planner: that
 costs what one step of the plain functions costs.
@@ -24,33 +29,33 @@ costs what one step of the plain functions costs.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import accumulate
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from ._checks import host_int, host_ints
-from .budget import BudgetDecision, CostModel, choose_budget, host_confidences
-from .compaction import Compaction, compact, regime_of
-from .errors import BudgetError, LayoutError
-from .layout import GrammarRows, RowMapping, ScheduledLayout
+from ._checks import INT32_MAX
+from .budget import BudgetDecision, CostModel, _host_array, choose_checked
+from .compaction import Compaction, compact, compact_checked
+from .errors import BudgetError
+from .layout import GrammarRows, RowMapping, ScheduledLayout, _as_counts
 
 __all__ = ["Step", "StepPlanner"]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-# The planner fills a ScheduledLayout's fields directly (the id index is the
-# part worth reusing). It does so only while the layout has exactly these
-# fields; otherwise it builds each step's layout with the constructor.
-_LAYOUT_FIELDS = frozenset(
-    {"_ids", "_index", "_req_ids", "cu_scheduled", "num_bonus", "num_drafts", "num_non_draft", "total_drafts"}
-)
-_FILL_LAYOUT = frozenset(getattr(ScheduledLayout, "__slots__", ())) == _LAYOUT_FIELDS
+# Below this many requests a step's counts are checked, summed and accumulated as Python ints (one
+# tolist) instead of by numpy reductions: at n = 8 a numpy reduction costs about 1.5 µs against about
+# 0.1 µs for min/max/sum over a list; at n = 64 both are about 2 µs.
+_PYTHON_BELOW = 48
 
-# From this many requests on, survivals are multiplied column by column (a few
-# long vector products) instead of by cumprod along each short row.
-_COLUMNWISE_FROM = 64
+
+# Below this many grammar requests ragged mappings are picked from row tables with one mask
+# (GrammarRows._mapping_at): 9 µs against 28 µs for the repeats at 8 requests, 22 against 26 at 256,
+# 68 against 62 at 1024 (one loaded run).
+_TABLES_BELOW = 512
 
 
 class Step(NamedTuple):
@@ -71,45 +76,24 @@ class Step(NamedTuple):
     mapping: RowMapping
 
 
-class _Counts:
-    """What follows from one step's (already checked) draft and token counts; kept while they repeat.
+class _Drafts:
+    """What follows from one step's checked draft counts; kept while they repeat.
 
-    Arrays here are never handed out: every step gets its own copies.
+    Arrays here are never handed out (``mapping`` excepted: a checked mapping is
+    read-only): every step gets its own copies.
     """
 
-    __slots__ = (
-        "base",
-        "before",
-        "cu",
-        "full_tokens",
-        "k",
-        "key",
-        "live",
-        "mapping",
-        "n",
-        "total",
-        "zero_cu",
-    )
+    __slots__ = ("cu", "k", "key", "mapping", "nd", "rows", "total")
 
-    def __init__(self, nd: IntArray, nn: IntArray, num_bonus: int, key: tuple[str, bytes, str, bytes] | None) -> None:
-        n = nd.shape[0]
+    def __init__(self, key: tuple[str, bytes] | None, nd: IntArray, total: int, k: int, cu: IntArray) -> None:
         self.key = key
-        self.n = n
-        self.total = int(nd.sum())
-        self.base = int(nn.sum())
-        self.k = int(nd.max()) if n else 0
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(nd + num_bonus, out=cu[1:])
+        self.nd = nd
+        self.total = total
+        self.k = k
         self.cu = cu
-        before = np.zeros(n, dtype=np.int64)
-        if n > 1:
-            np.cumsum(nd[:-1], out=before[1:])
-        self.before = before
-        self.full_tokens = nn + nd
-        self.zero_cu = np.arange(n + 1, dtype=np.int64) * num_bonus
-        # Which entries of the (n, k) survivals are scheduled drafts; None when all are.
-        self.live = None if self.total == n * self.k else np.arange(self.k)[None, :] < nd[:, None]
-        self.mapping: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
+        self.mapping: RowMapping | None = None
+        # Which rows each request has (StepPlanner._rows_mask); worked out on first use.
+        self.rows: npt.NDArray[np.bool_] | None = None
 
 
 def _listed(ids: Any) -> Any:
@@ -120,6 +104,40 @@ def _listed(ids: Any) -> Any:
         return list(ids)
     except TypeError:
         return ids  # not iterable: the core class words the error
+
+
+def _counts(name: str, values: Any, n: int, fast: bool) -> tuple[IntArray, int, int, list[int] | None]:
+    """``(counts, sum, max, listed)``: the layout's count check of ``values``, the counts an int64 array of their own.
+
+    ``fast``: ``values`` is a 1-D integer numpy array of ``n`` entries (its
+    key was taken), so only the range is left to check; any failure, and every
+    other form, goes through the layout's own check, which words the error.
+    ``listed``: the counts as a list, when the check made one (small batches).
+    """
+    if fast and n:
+        out = values.astype(np.int64)  # a copy: the caller's buffer may be refilled
+        if n < _PYTHON_BELOW:
+            listed = values.tolist()
+            lo, hi = min(listed), max(listed)
+            if 0 <= lo and hi <= INT32_MAX:
+                return out, sum(listed), hi, listed
+        else:
+            lo, hi = int(out.min()), int(out.max())  # a uint64 too big for int64 wraps below 0 here
+            if 0 <= lo and hi <= INT32_MAX:
+                return out, int(out.sum()), hi, None
+    out = _as_counts(name, values, n)
+    return out, int(out.sum()), int(out.max()) if n else 0, None
+
+
+def _offsets(nd: IntArray, num_bonus: int, listed: list[int] | None) -> IntArray:
+    """``[0, cumsum(nd + num_bonus)]`` as a new int64 array: the layout's ``cu_scheduled``."""
+    n = nd.shape[0]
+    if n < _PYTHON_BELOW:
+        rows = map(num_bonus.__add__, nd.tolist() if listed is None else listed)
+        return np.array(list(accumulate(rows, initial=0)), dtype=np.int64)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nd + num_bonus, out=cu[1:])
+    return cu
 
 
 class StepPlanner:
@@ -137,11 +155,14 @@ class StepPlanner:
         LayoutError: duplicate or unknown ids, a bad ``num_bonus``, ``mode`` or ``stride``.
         BudgetError: ``cost`` is not a :class:`~maskplug.CostModel`.
 
-    Steps whose draft and token counts repeat the previous step's (integer
-    arrays of the same dtype and values, the common case between steps) reuse
-    what follows from them; their values are compared, never their identity,
-    so an engine may refill the same buffers in place. A planner keeps that
-    one step of memory, so it belongs to one thread at a time.
+    Draft counts and token counts are each kept while they repeat the previous
+    step's (integer numpy arrays of the same dtype and values, the common case
+    between steps); their values are compared, never their identity, so an
+    engine may refill the same buffers in place, and counts that change every
+    step (an n-gram drafter's) only redo what follows from them. Every layout
+    and compaction a step returns holds arrays of its own; the mapping's are
+    read-only. A planner keeps that one step of memory, so it belongs to one
+    thread at a time.
     """
 
     def __init__(
@@ -167,20 +188,17 @@ class StepPlanner:
         self._rows = GrammarRows(grammar_ids, mode, stride)
         self._grammar = self._rows.batch_indices(proto)
         self._grammar32 = self._grammar.astype(np.int32)
+        self._needs = int(self._grammar.max()) + 1 if self._grammar.size else 0
         self._proto = proto
         self._n = proto.n
         self._num_bonus = proto.num_bonus
         self._cost = cost
-        # Plain cost models read consecutive sizes as a slice of their table; a
-        # subclass with its own cost functions goes through choose_budget.
-        plain = (
-            cost is not None
-            and type(cost).draft_ms is CostModel.draft_ms
-            and type(cost).verify_ms is CostModel.verify_ms
-        )
-        self._draft_ms = float(cost._draft.span(self._n, 1)[0]) if plain and cost is not None else None
-        self._last: _Counts | None = None
-        self._costs: tuple[int, int, FloatArray] | None = None
+        self._drafts: _Drafts | None = None
+        self._tokens: tuple[tuple[str, bytes] | None, IntArray, int] | None = None
+        self._tables: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None = None
+        self._shifted = np.arange(16, dtype=np.int64) - self._num_bonus
+        # Step costs of a tabulated model for one token base: (base, costs of budgets 0 .. len - 1).
+        self._costs: tuple[int, FloatArray] | None = None
 
     @property
     def n(self) -> int:
@@ -193,49 +211,36 @@ class StepPlanner:
         return self._rows
 
     # -- layout ------------------------------------------------------------------
-    def _counts(self, num_drafts: Any, num_non_draft: Any) -> tuple[IntArray, IntArray, _Counts]:
-        """The step's checked counts and what follows from them (reused when they repeat the last step's)."""
-        n = self._n
-        last = self._last
-        key: tuple[str, bytes, str, bytes] | None = None
-        if (
-            type(num_drafts) is np.ndarray
-            and type(num_non_draft) is np.ndarray
-            and num_drafts.dtype.kind in "iu"
-            and num_non_draft.dtype.kind in "iu"
-            and num_drafts.shape == (n,)
-            and num_non_draft.shape == (n,)
-        ):
-            key = (num_drafts.dtype.str, num_drafts.tobytes(), num_non_draft.dtype.str, num_non_draft.tobytes())
-            if last is not None and last.key == key:
-                # The same values, of the same dtype, as counts that passed the layout's checks: valid,
-                # and what followed from them still holds. As int64, as the checks hand them on.
-                return num_drafts.astype(np.int64, copy=False), num_non_draft.astype(np.int64, copy=False), last
-        # The layout's own count checks, so errors read exactly as the constructor's.
-        nd = host_ints("num_drafts", num_drafts, LayoutError, n=n, integral_floats=True)
-        nn = host_ints("num_non_draft", num_non_draft, LayoutError, n=n, integral_floats=True)
-        counts = _Counts(nd, nn, self._num_bonus, key)
-        self._last = counts
-        return nd, nn, counts
+    def _layout(self, num_drafts: Any, num_non_draft: Any) -> tuple[ScheduledLayout, _Drafts, int]:
+        """The step's layout, and what follows from its draft counts and its token sum (each kept while it repeats).
 
-    def _layout(self, nd: IntArray, nn: IntArray, counts: _Counts) -> ScheduledLayout:
-        proto = self._proto
-        out = object.__new__(ScheduledLayout)
-        out._ids = proto._ids
-        out._index = proto._index
-        out._req_ids = proto._req_ids
-        out.num_drafts = nd
-        out.num_non_draft = nn
-        out.num_bonus = self._num_bonus
-        out.total_drafts = counts.total
-        out.cu_scheduled = counts.cu.copy()
-        return out
+        Only 1-D integer numpy arrays of ``n`` counts are compared with the last
+        step's (by dtype and value); their range is the only check left to do. Any
+        failure, and every other form, goes through the layout's own checks, which
+        word the error. Draft counts first, as the constructor checks them. (The
+        helpers are written out here: at 8 requests each call costs about as much
+        as the numpy work it would wrap.)
+        """
+        n = self._n
+        d = self._drafts
+        fast = type(num_drafts) is np.ndarray and num_drafts.dtype.kind in "iu" and num_drafts.shape == (n,)
+        key = (num_drafts.dtype.str, num_drafts.tobytes()) if fast else None
+        if d is None or key is None or d.key != key:
+            nd, total, k, listed = _counts("num_drafts", num_drafts, n, fast)
+            d = self._drafts = _Drafts(key, nd, total, k, _offsets(nd, self._num_bonus, listed))
+        t = self._tokens
+        fast = type(num_non_draft) is np.ndarray and num_non_draft.dtype.kind in "iu" and num_non_draft.shape == (n,)
+        key = (num_non_draft.dtype.str, num_non_draft.tobytes()) if fast else None
+        if t is None or key is None or t[0] != key:
+            nn, base, _, _ = _counts("num_non_draft", num_non_draft, n, fast)
+            t = self._tokens = (key, nn, base)
+        # Copies: the layout is the caller's, the kept arrays are not.
+        layout = self._proto._with_counts(d.nd.copy(), t[1].copy(), d.total, d.cu.copy())
+        return layout, d, t[2]
 
     def layout(self, num_drafts: Any, num_non_draft: Any) -> ScheduledLayout:
         """The step's :class:`~maskplug.ScheduledLayout` (equal to building one from the planner's ids)."""
-        if not _FILL_LAYOUT:
-            return ScheduledLayout(self._proto._ids, num_drafts, num_non_draft, self._num_bonus)
-        return self._layout(*self._counts(num_drafts, num_non_draft))
+        return self._layout(num_drafts, num_non_draft)[0]
 
     def step(
         self,
@@ -263,111 +268,93 @@ class StepPlanner:
             raise BudgetError("budget: expected None when confidences are given (the budget is chosen from them)")
         if confidences is None and (num_sampling is not None or max_logits is not None):
             raise BudgetError("num_sampling, max_logits: only meaningful when confidences are given")
-        if not _FILL_LAYOUT:
-            layout = ScheduledLayout(self._proto._ids, num_drafts, num_non_draft, self._num_bonus)
-            counts = _Counts(layout.num_drafts, layout.num_non_draft, self._num_bonus, None)
-        else:
-            nd, nn, counts = self._counts(num_drafts, num_non_draft)
-            layout = self._layout(nd, nn, counts)
+        layout, d, base = self._layout(num_drafts, num_non_draft)
         decision: BudgetDecision | None = None
         if confidences is not None:
-            decision = self._choose(confidences, layout, counts, num_sampling, max_logits)
+            decision = self._choose(confidences, layout, d, base, num_sampling, max_logits)
             b = decision.budget
-            comp = self._compact(layout, counts, b)
+            comp = compact_checked(layout, b)
         elif budget is not None:
             comp = compact(layout, budget)  # the core checks a given budget
             b = int(budget)
         else:
-            b = counts.total
-            comp = self._compact(layout, counts, b)
-        return Step(layout, decision, b, comp, self._mapping(layout, counts))
+            b = d.total
+            comp = compact_checked(layout, b)
+        mapping = d.mapping
+        if mapping is None:
+            mapping = d.mapping = self._rows._mapping_at(
+                layout,
+                self._grammar,
+                self._grammar32,
+                self._row_tables(d),
+                self._needs,
+                d.total + self._n * self._num_bonus,
+            )
+        return Step(layout, decision, b, comp, mapping)
+
+    def _rows_mask(self, d: _Drafts) -> npt.NDArray[np.bool_]:
+        """``mask[r, p] = p < num_drafts[r] + num_bonus``, ``(n, k + num_bonus)``: which rows each request has.
+
+        One comparison gives both what the mapping picks and, past the bonus
+        columns, which survivals are scheduled drafts.
+        """
+        m = d.rows
+        if m is None:
+            w = d.k + self._num_bonus
+            shifted = self._shifted
+            if shifted.shape[0] < w:
+                shifted = self._shifted = np.arange(max(w, 2 * shifted.shape[0]), dtype=np.int64) - self._num_bonus
+            m = d.rows = shifted[None, :w] < d.nd[:, None]
+        return m
+
+    def _row_tables(
+        self, d: _Drafts
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.bool_]] | None:
+        """The row tables and mask for :meth:`GrammarRows._mapping_at` (tables kept, rebuilt wider)."""
+        g = self._grammar32.shape[0]
+        if g >= _TABLES_BELOW or self._rows.mode != "ragged":
+            return None
+        mask = self._rows_mask(d)
+        w = mask.shape[1]
+        t = self._tables
+        if t is None or t[1].shape[1] < w:
+            w = max(w, 8)
+            pos = np.empty((g, w), dtype=np.int32)
+            pos[:] = np.arange(w, dtype=np.int32)
+            req = np.empty((g, w), dtype=np.int32)
+            req[:] = self._grammar32[:, None]
+            t = self._tables = (req, pos)
+        return t[0], t[1], mask
 
     # -- budget ------------------------------------------------------------------
     def _choose(
-        self, confidences: Any, layout: ScheduledLayout, counts: _Counts, num_sampling: Any, max_logits: Any
+        self, confidences: Any, layout: ScheduledLayout, d: _Drafts, base: int, num_sampling: Any, max_logits: Any
     ) -> BudgetDecision:
+        """:func:`~maskplug.choose_budget` (without grammar), its checks in its order, with the counts known."""
         cost = self._cost
         if cost is None:
             raise BudgetError("cost: expected a CostModel to choose a budget from confidences (give it to StepPlanner)")
-        if self._draft_ms is None:
-            return choose_budget(confidences, layout, cost, num_sampling=num_sampling, max_logits=max_logits)
-        # choose_budget's checks and arithmetic, in the same order: the same errors and the same floats.
-        conf = host_confidences(confidences, layout)
-        n = self._n
-        ns = n if num_sampling is None else host_int("num_sampling", num_sampling, BudgetError)
-        cap = counts.total
-        if max_logits is not None:
-            room = host_int("max_logits", max_logits, BudgetError) - n * self._num_bonus
-            if room < 0:  # let the core word the error
-                return choose_budget(conf, layout, cost, num_sampling=ns, max_logits=max_logits)
-            cap = min(cap, room)
-        k = counts.k
-        est = np.empty(cap + 1, dtype=np.float64)
-        est[0] = float(ns)
-        if k and cap:
-            if n < _COLUMNWISE_FROM:
-                surv = conf[:, :k].cumprod(axis=1)
-                flat = surv.ravel() if counts.live is None else surv[counts.live]
-            else:
-                # Column by column: the same products in the same order as cumprod along rows,
-                # laid out draft-major (the order is irrelevant: they are sorted next).
-                cols = np.empty((k, n), dtype=np.float64)
-                cols[:] = conf[:, :k].T
-                for j in range(1, k):
-                    np.multiply(cols[j - 1], cols[j], out=cols[j])
-                flat = cols.ravel() if counts.live is None else cols[counts.live.T]
-            # Largest first: sorting the negated survivals keeps them contiguous for the running sum.
-            # Negating is exact and rounding is symmetric in sign, so ns - (sum of negated) is
-            # bit for bit ns + (sum of the survivals), the core's est.
-            neg = np.negative(flat)  # a new array: sorted in place
-            neg.sort()
-            neg[:cap].cumsum(out=est[1:])
-            np.subtract(est[0], est[1:], out=est[1:])
-        else:
-            est[1:] = est[0]  # no survivals: cap is 0
-        costs = self._step_costs(counts.base, cap)
-        if costs[0] <= 0:  # a plain model's costs never fall: the first is the smallest; the core words the error
-            return choose_budget(conf, layout, cost, num_sampling=ns, max_logits=max_logits)
-        b = int((est / costs).argmax())
-        return BudgetDecision(budget=b, expected_tokens=float(est[b]), cost_ms=float(costs[b]))
+        # Which survivals are scheduled drafts: the rows mask past its bonus columns (None: all).
+        live = None if d.total == self._n * d.k else self._rows_mask(d)[:, self._num_bonus :]
+        return choose_checked(
+            _host_array(confidences, self._n),
+            layout,
+            d.k,
+            live,
+            num_sampling,
+            max_logits,
+            lambda m: self._step_costs(cost, base, m),
+        )
 
-    def _step_costs(self, base: int, cap: int) -> FloatArray:
-        """``draft_ms(n) + verify_ms(base .. base + cap)`` (kept while base and cap repeat)."""
+    def _step_costs(self, cost: CostModel, base: int, count: int) -> FloatArray:
+        """``cost.step_costs(n, base, count)``; for a tabulated model, a slice of the longest kept for ``base``.
+
+        The slice holds the same sums of the same table entries as a call for
+        ``count`` sizes would make.
+        """
+        if not cost.tabulated:
+            return cost.step_costs(self._n, base, count)
         c = self._costs
-        if c is not None and c[0] == base and c[1] == cap:
-            return c[2]
-        assert self._cost is not None and self._draft_ms is not None
-        costs = self._draft_ms + self._cost._verify.span(base, cap + 1)
-        self._costs = (base, cap, costs)
-        return costs
-
-    # -- compaction and mapping ----------------------------------------------------
-    def _compact(self, layout: ScheduledLayout, counts: _Counts, b: int) -> Compaction:
-        """:func:`~maskplug.compact` at a budget known to be valid (chosen, or every draft)."""
-        regime = regime_of(layout, b)
-        if regime == "full":
-            return Compaction(regime, counts.full_tokens.copy(), counts.cu.copy(), True)
-        if regime == "zero":
-            return Compaction(regime, layout.num_non_draft.copy(), counts.zero_cu.copy(), True)
-        # compact's placeholder split, clip(b - before, 0, num_drafts), with the ufuncs called directly.
-        placeholder = np.subtract(b, counts.before)
-        np.maximum(placeholder, 0, out=placeholder)
-        np.minimum(placeholder, layout.num_drafts, out=placeholder)
-        placeholder += layout.num_non_draft
-        return Compaction(regime, placeholder, counts.cu.copy(), False)
-
-    def _mapping(self, layout: ScheduledLayout, counts: _Counts) -> RowMapping:
-        if self._rows.mode != "ragged":
-            return self._rows.mapping(layout)
-        m = counts.mapping
-        if m is None:
-            g = self._grammar
-            per = layout.num_drafts[g] + self._num_bonus
-            total = int(per.sum())
-            starts = np.zeros(per.shape[0], dtype=np.int32)
-            if per.shape[0] > 1:
-                np.cumsum(per[:-1], out=starts[1:])
-            request = np.repeat(self._grammar32, per)
-            position = np.arange(total, dtype=np.int32) - np.repeat(starts, per)
-            m = counts.mapping = (request, position)
-        return RowMapping(m[0].copy(), m[1].copy())
+        if c is None or c[0] != base or c[1].shape[0] < count:
+            c = self._costs = (base, cost.step_costs(self._n, base, count))
+        return c[1][:count]

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import maskplug as mp
-from maskplug import steps as steps_mod
+from maskplug import budget as budget_mod
 from maskplug.steps import Step, StepPlanner
 
 COST = mp.CostModel.linear(1.0, 0.01, 5.0, 0.02, max_reqs=512, max_tokens=8192)
@@ -105,8 +105,8 @@ def planners(draw: st.DrawFn) -> dict[str, Any]:
         "steps": draw(
             st.lists(
                 st.tuples(
-                    st.sampled_from(["uniform", "ragged", "zero", "repeat"]),
-                    st.sampled_from(["choose", "choose-limits", "given", "full"]),
+                    st.sampled_from(["uniform", "ragged", "third", "zero", "repeat"]),
+                    st.sampled_from(["choose", "choose-limits", "given", "given-zero", "given-all", "full"]),
                     st.sampled_from(["numpy", "numpy32", "inplace", "list", "tensor"]),
                 ),
                 min_size=1,
@@ -118,12 +118,12 @@ def planners(draw: st.DrawFn) -> dict[str, Any]:
 
 @given(planners())
 def test_planner_steps_equal_the_core_functions(p: dict[str, Any]) -> None:
-    saved = steps_mod._COLUMNWISE_FROM
-    steps_mod._COLUMNWISE_FROM = p["columnwise_from"]
+    saved = budget_mod._COLUMNWISE_FROM
+    budget_mod._COLUMNWISE_FROM = p["columnwise_from"]
     try:
         _check_steps(p)
     finally:
-        steps_mod._COLUMNWISE_FROM = saved
+        budget_mod._COLUMNWISE_FROM = saved
 
 
 def _check_steps(p: dict[str, Any]) -> None:
@@ -138,6 +138,7 @@ def _check_steps(p: dict[str, Any]) -> None:
     nd_buf = np.zeros(n, dtype=np.int64)
     nn_buf = np.zeros(n, dtype=np.int64)
     prev_nd = prev_nn = None
+    kept: list[tuple[Step, Any]] = []
     for drafts, how, form in p["steps"]:
         md = p["max_drafts"]
         if drafts == "repeat" and prev_nd is not None and prev_nn is not None:
@@ -146,6 +147,11 @@ def _check_steps(p: dict[str, Any]) -> None:
             nd = np.full(n, md, dtype=np.int64)
         elif drafts == "zero":
             nd = np.zeros(n, dtype=np.int64)
+        elif drafts == "third":
+            # An n-gram drafter's pattern: a random third of the requests draft fewer than the most.
+            nd = np.full(n, md, dtype=np.int64)
+            fewer = rng.permutation(n)[: (n + 2) // 3]
+            nd[fewer] = rng.integers(0, max(md, 1), size=fewer.shape[0])
         else:
             nd = rng.integers(0, md + 1, size=n)
         if drafts != "repeat" or prev_nn is None:
@@ -179,13 +185,31 @@ def _check_steps(p: dict[str, Any]) -> None:
                 }
         elif how == "given":
             budget = int(rng.integers(0, int(nd.sum()) + 1))
+        elif how == "given-zero":
+            budget = 0
+        elif how == "given-all":
+            budget = int(nd.sum())
         want = expected_step(p["req_ids"], rows, nd, nn, p["num_bonus"], p["cost"], conf_arg, budget, kwargs)
         got = planner.step(nd_in, nn_in, conf_arg, budget=budget, **kwargs)
         assert_same(got, want)
-        # The caller owns what it got: writing into it never reaches a later step.
-        got.mapping.request[:] = -7
-        got.mapping.position[:] = -7
-        got.layout.num_drafts[:] = 0
+        # The mapping was checked when it was built and may be shared by later steps: read-only.
+        for arr in (got.mapping.request, got.mapping.position):
+            assert not arr.flags.writeable
+            if arr.size:
+                with pytest.raises(ValueError):
+                    arr[:1] = -7
+        if len(kept) % 2:
+            # The caller owns the layout and compaction it got: writing into them never reaches a later step.
+            got.layout.num_drafts[:] = 0
+            got.layout.num_non_draft[:] = 0
+            got.layout.cu_scheduled[:] = -7
+            got.compaction.num_tokens_per_req[:] = -7
+            got.compaction.cu_logits[:] = -7
+        kept.append((got, want))
+    # Steps left alone still hold their own values after every later step (refilled buffers included).
+    for i, (got, want) in enumerate(kept):
+        if i % 2 == 0:
+            assert_same(got, want)
 
 
 def _planner() -> tuple[StepPlanner, list[str]]:
@@ -278,18 +302,84 @@ def test_planner_argument_combinations() -> None:
     assert kind is mp.BudgetError and "max_logits" in msg
 
 
-def test_planner_builds_layouts_with_the_constructor_when_the_layout_changes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If ScheduledLayout's fields differ from the ones the planner fills, it uses the constructor instead."""
-    monkeypatch.setattr(steps_mod, "_FILL_LAYOUT", False)
+def test_planner_layouts_hold_every_field_the_constructor_sets() -> None:
+    """The planner's layouts come from ScheduledLayout._with_counts: every slot equals the constructor's."""
     ids = ["x", "y", "z"]
     planner = StepPlanner(ids, ["z", "x"], cost=COST)
-    nd, nn, conf = [2, 0, 1], [1, 1, 1], np.full((3, 2), 0.6)
+    nd, nn = np.array([2, 0, 1]), np.array([1, 3, 1])
+    got, want = planner.layout(nd, nn), mp.ScheduledLayout(ids, nd, nn)
+    for name in mp.ScheduledLayout.__slots__:
+        a, b = getattr(got, name), getattr(want, name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+        elif name == "_req_ids":
+            assert a is None and b is None  # ids were given as a list: built on first use
+        else:
+            assert a == b, name
+
+
+def _count_buffer(form: str, values: list[int]) -> Any:
+    if form.startswith("numpy"):
+        return np.array(values, dtype=np.int64 if form == "numpy64" else np.int32)
+    return torch.tensor(values, dtype=torch.int64 if form == "tensor64" else torch.int32)
+
+
+def _refill(buf: Any, values: list[int]) -> None:
+    buf[:] = torch.tensor(values, dtype=buf.dtype) if isinstance(buf, torch.Tensor) else values
+
+
+@pytest.mark.parametrize("form", ["numpy64", "numpy32", "tensor64", "tensor32"])
+@pytest.mark.parametrize("make", ["constructor", "planner.layout", "planner.step"])
+def test_layouts_keep_their_counts_when_the_caller_refills_its_buffers(form: str, make: str) -> None:
+    """A layout copies the counts it keeps: refilling the engine's buffers in place never rewrites it."""
+    ids = ["a", "b", "c"]
+    nd, nn = _count_buffer(form, [3, 0, 2]), _count_buffer(form, [1, 4, 1])
+    planner = StepPlanner(ids, ids, cost=COST)
+    if make == "constructor":
+        layout = mp.ScheduledLayout(ids, nd, nn)
+    elif make == "planner.layout":
+        layout = planner.layout(nd, nn)
+    else:
+        step = planner.step(nd, nn)
+        layout = step.layout
+    _refill(nd, [1, 1, 1])
+    _refill(nn, [9, 9, 9])
+    assert layout.num_drafts.tolist() == [3, 0, 2]
+    assert layout.num_non_draft.tolist() == [1, 4, 1]
+    assert layout.total_drafts == 5 and layout.cu_scheduled.tolist() == [0, 4, 5, 8]
+    if make == "planner.step":
+        assert step.compaction.num_tokens_per_req.tolist() == [4, 4, 3]
+        assert step.mapping.position.tolist() == [0, 1, 2, 3, 0, 0, 1, 2]
+    # The planner sees the refilled values at its next step (compared by value, not by identity).
     assert_same(
-        planner.step(nd, nn, conf),
-        expected_step(ids, mp.GrammarRows(["z", "x"]), nd, nn, 1, COST, conf, None, {}),
+        planner.step(nd, nn),
+        expected_step(ids, mp.GrammarRows(ids), [1, 1, 1], [9, 9, 9], 1, COST, None, None, {}),
     )
 
 
-def test_the_planner_fills_every_layout_field() -> None:
-    """The planner's list of ScheduledLayout fields is the class's own (else every step takes the slow path)."""
-    assert steps_mod._FILL_LAYOUT, sorted(mp.ScheduledLayout.__slots__)
+@pytest.mark.parametrize("n", [1, 8, 70, 600])  # Python and numpy count paths, tables and repeats
+def test_changing_counts_in_every_regime(n: int) -> None:
+    """A third of the requests change their draft count every step; every regime meets the core's answer."""
+    rng = np.random.default_rng(n)
+    ids = [f"r{i}" for i in rng.permutation(n)]
+    grammar = [ids[i] for i in rng.permutation(n)]
+    planner = StepPlanner(ids, grammar, cost=CURVES)
+    rows = mp.GrammarRows(grammar)
+    nd_buf = np.empty(n, dtype=np.int32)  # refilled in place, as an engine does
+    nn = np.ones(n, dtype=np.int32)
+    seen: set[str] = set()
+    for step in range(24):
+        nd_buf[:] = 5
+        fewer = rng.permutation(n)[: max(1, n // 3)]
+        nd_buf[fewer] = rng.integers(0, 5, size=fewer.shape[0])
+        total = int(nd_buf.sum())
+        conf = rng.uniform(0.0, 1.0, size=(n, 6)).astype(np.float32)
+        kind = step % 4
+        partial = int(rng.integers(1, total)) if total > 1 else total
+        budget = None if kind in (0, 3) else (0 if kind == 1 else partial)
+        conf_arg = conf if kind == 0 else None
+        want = expected_step(ids, rows, nd_buf.copy(), nn, 1, CURVES, conf_arg, budget, {})
+        got = planner.step(nd_buf, nn, conf_arg, budget=budget)
+        assert_same(got, want)
+        seen.add(got.compaction.regime)
+    assert seen == {"full", "partial", "zero"}
