@@ -22,7 +22,16 @@ engine's other work would. Both are repeated for each torch intra-op thread
 setting of the caller (``--threads``, default ``1`` and torch's default), since
 a kernel that leans on torch's thread pool behaves differently under each.
 
-Run: ``.venv/bin/python benchmarks/cpu_apply.py [--repeat N] [--threads 1,default] [--load idle,loaded]``
+``--fixed`` measures instead the per-call cost at one request (one decode row:
+no drafts, one bonus row), where argument handling is most of the work: maskplug
+with the mapping and offsets a :class:`~maskplug.StepPlanner` step returns (a
+checked mapping, trusted), maskplug with the same mapping as a plain
+``(request, position)`` pair (every check), ``xgrammar.apply_token_bitmask_inplace``
+and ``logits.masked_fill_(~mask, -inf)`` with the boolean mask already expanded
+(the least any torch approach does), at a 32-token and a 131,072-token
+vocabulary. Calls are interleaved one by one; the figure is the median per call.
+
+Run: ``.venv/bin/python benchmarks/cpu_apply.py [--repeat N] [--threads 1,default] [--load idle,loaded] [--fixed]``
 """
 
 from __future__ import annotations
@@ -172,6 +181,66 @@ def table(
             print(row, flush=True)
 
 
+def fixed_cost(xgr_apply: Callable[[torch.Tensor, torch.Tensor], None] | None, calls: int) -> None:
+    """Per-call cost at one request: the argument handling around a one-row apply."""
+    from maskplug.steps import StepPlanner
+
+    planner = StepPlanner(["req-0"], ["req-0"])
+    step = planner.step(np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64))
+    mapping, cu = step.mapping, step.compaction.cu_logits
+    pair = (mapping.request.copy(), mapping.position.copy())
+    print(f"\nper-call cost at one request (one row), median of {calls} interleaved calls, µs")
+    print(f"{'vocab':>8} {'maskplug':>9} {'checked':>8} {'xgrammar':>9} {'masked_fill_':>13} {'vs xgrammar':>12}")
+    rng = np.random.default_rng(1)
+    for vocab in (32, VOCAB):
+        words = (vocab + 31) // 32
+        bm = torch.from_numpy(rng.integers(0, 2**32, size=(1, words), dtype=np.uint64).astype(np.uint32).view(np.int32))
+        allowed = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).bool().view(1, -1)[:, :vocab]
+        logits = torch.randn(1, vocab)
+
+        def ours(x: torch.Tensor = logits, b: torch.Tensor = bm) -> None:
+            mp.apply_grammar_bitmask(x, b, mapping, cu)
+
+        def checked(x: torch.Tensor = logits, b: torch.Tensor = bm) -> None:
+            mp.apply_grammar_bitmask(x, b, pair, cu)
+
+        def fill(x: torch.Tensor = logits, m: torch.Tensor = allowed) -> None:
+            x.masked_fill_(~m, float("-inf"))
+
+        peers: dict[str, Callable[[], None]] = {"maskplug": ours, "checked": checked, "masked_fill_": fill}
+        if xgr_apply is not None:
+
+            def theirs(x: torch.Tensor = logits, b: torch.Tensor = bm) -> None:
+                xgr_apply(x, b)  # type: ignore[misc]
+
+            peers["xgrammar"] = theirs
+        # Same answer from every peer first.
+        outs = {}
+        for name, fn in peers.items():
+            saved = logits.clone()
+            fn()
+            outs[name] = logits.clone()
+            logits.copy_(saved)
+        for name, out in outs.items():
+            assert torch.equal(out, outs["maskplug"]), f"{name} disagrees with maskplug"
+        times: dict[str, list[int]] = {name: [] for name in peers}
+        for fn in peers.values():
+            for _ in range(100):
+                fn()  # masking twice changes nothing: every call does the same work
+        for _ in range(calls):
+            for name, fn in peers.items():
+                t0 = time.perf_counter_ns()
+                fn()
+                times[name].append(time.perf_counter_ns() - t0)
+        med = {name: statistics.median(ts) / 1e3 for name, ts in times.items()}
+        xg = med.get("xgrammar", float("nan"))
+        print(
+            f"{vocab:>8} {med['maskplug']:>9.1f} {med['checked']:>8.1f} {xg:>9.1f} {med['masked_fill_']:>13.1f}"
+            f" {xg / med['maskplug']:>11.1f}x",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per cell (default 30)")
@@ -185,6 +254,8 @@ def main() -> None:
         default="idle,loaded",
         help="comma-separated: 'idle' (the machine as it is), 'loaded' (one competing process spinning on a core)",
     )
+    parser.add_argument("--fixed", action="store_true", help="only the per-call cost at one request")
+    parser.add_argument("--calls", type=int, default=20000, help="interleaved calls per peer with --fixed")
     args = parser.parse_args()
     default_threads = torch.get_num_threads()
     settings = [default_threads if t.strip() == "default" else int(t) for t in args.threads.split(",")]
@@ -198,6 +269,10 @@ def main() -> None:
     except ImportError:  # pragma: no cover - xgrammar is installed in the dev environment
         xgr_apply = None
 
+    if args.fixed:
+        print(f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}; torch threads {torch.get_num_threads()}")
+        fixed_cost(xgr_apply, args.calls)
+        return
     print(f"CPU mask apply, {ROWS} x {VOCAB:,}; {os.cpu_count()} CPUs; torch default threads {default_threads}")
     print("wall: wall-clock ms; cpu: CPU ms of the calling thread; ratios: peer time / maskplug time (wall, cpu)")
     print("xgrammar's CPU kernel is single-threaded whatever the torch setting")

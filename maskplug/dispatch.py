@@ -15,9 +15,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ._checks import host_int
+from ._checks import INT32_MAX, host_int
 from .errors import BackendUnavailable, LayoutError
-from .kernels.sdk import KernelBackend
+from .kernels.sdk import BackendBase, KernelBackend
+from .kernels.torch_backend import FEW_ROWS, TorchBackend, live_rows, mask_rows_cpu
 from .layout import RowMapping
 from .plugins import KERNEL_BACKEND_ENV, get_registry
 
@@ -41,6 +42,27 @@ def backend_status(device: torch.device | str | None = None) -> dict[str, str | 
     """Every registered backend and why it cannot run on ``device`` (``None`` = available)."""
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {name: _reason(be, dev) for name, be in sorted(get_registry().kernels.items())}
+
+
+# The last resolutions: (registry, name, device, MASKPLUG_KERNEL_BACKEND) -> backend. Only backends built on
+# BackendBase are kept: their availability is asked once per device and cannot change within a process.
+_resolved: dict[tuple[int, str, torch.device, str], tuple[Any, KernelBackend]] = {}
+
+
+def _resolve_cached(backend: str, device: torch.device) -> KernelBackend:
+    """:func:`resolve_backend`, remembered per registry, name, device and environment switch."""
+    reg = get_registry()
+    key = (id(reg), backend, device, os.environ.get(KERNEL_BACKEND_ENV, ""))
+    hit = _resolved.get(key)
+    if hit is not None and hit[0] is reg:
+        return hit[1]
+    be = resolve_backend(backend, device)
+    # "auto" ranks every backend above the chosen one too; all must answer once and for all.
+    if all(isinstance(b, BackendBase) for b in reg.kernels.values()):
+        if len(_resolved) > 64:
+            _resolved.clear()
+        _resolved[key] = (reg, be)
+    return be
 
 
 def resolve_backend(backend: str, device: torch.device) -> KernelBackend:
@@ -247,6 +269,73 @@ def apply_grammar_bitmask(
         raise LayoutError(f"tail: expected 'mask' or 'keep', got {tail!r}")
 
     # ---- mapping and offsets -------------------------------------------------
+    checked = _checked_rows(mapping, cu_logits, rows, device, logits.shape[0])
+    if checked is not None:
+        be = _resolve_cached(backend, device)
+        if rows == 0 or logits.shape[0] == 0 or width == 0:
+            return
+        req_list, pos_list, cu_list = checked
+        if type(be) is TorchBackend and rows <= FEW_ROWS:
+            # The built-in CPU path on a few checked rows: straight from the lists, no tensors in between.
+            live = live_rows(req_list, pos_list, cu_list)
+            if live is not None:
+                mask_rows_cpu(logits, bitmask.contiguous(), live, int(vocab_size), tail == "mask")
+                return
+        assert isinstance(mapping, RowMapping)  # _checked_rows accepts nothing else
+        request, position = mapping._tensors()
+        cu = torch.tensor(cu_list, dtype=torch.int32)
+    else:
+        request, position, cu = _rows_and_offsets(mapping, cu_logits, rows, device, logits.shape[0])
+        be = _resolve_cached(backend, device)
+        if rows == 0 or logits.shape[0] == 0 or width == 0:
+            return
+    be.apply(
+        logits,
+        bitmask.contiguous(),
+        request,
+        position,
+        cu,
+        int(vocab_size),
+        tail == "mask",
+    )
+
+
+#: Checked mappings and offsets up to this many entries are read as Python lists (one ``tolist`` each)
+#: rather than by numpy reductions.
+_LIST_ROWS = 64
+
+
+def _checked_rows(
+    mapping: Any, cu_logits: Any, rows: int, device: torch.device, num_logits: int
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``(request, position, cu_logits)`` as lists when the mapping is one maskplug built and checked, else ``None``.
+
+    A :class:`RowMapping` from a layout (read-only, its values checked when it
+    was built) needs only its length compared with the bitmask and the offsets
+    checked against it; this is done for a few rows and offsets on the host, as
+    Python lists. Anything else returns ``None``: the full checks then run (and
+    word any error).
+    """
+    if type(mapping) is not RowMapping or device.type != "cpu" or rows > _LIST_ROWS:
+        return None
+    needs = mapping._trusted_needs()
+    if needs is None or mapping.request.shape[0] != rows:
+        return None
+    if type(cu_logits) is not np.ndarray or cu_logits.ndim != 1 or cu_logits.dtype.kind not in "iu":
+        return None
+    m = cu_logits.shape[0]
+    if m < 1 or m - 1 < needs or m > _LIST_ROWS:
+        return None
+    cu = cu_logits.tolist()
+    if cu[0] != 0 or cu[-1] > num_logits or cu[-1] > INT32_MAX or any(map(int.__gt__, cu, cu[1:])):
+        return None
+    return mapping.request.tolist(), mapping.position.tolist(), cu
+
+
+def _rows_and_offsets(
+    mapping: Any, cu_logits: Any, rows: int, device: torch.device, num_logits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every check of the mapping and the offsets, and their normalised tensors on ``device``."""
     if isinstance(mapping, RowMapping):
         req_in, pos_in = mapping.request, mapping.position
     elif isinstance(mapping, tuple) and len(mapping) == 2:
@@ -277,9 +366,9 @@ def apply_grammar_bitmask(
             raise LayoutError(
                 f"cu_logits: expected non-decreasing offsets, got {int(cu_host[i])} then {int(cu_host[i + 1])} at {i}"
             )
-        if int(cu_host[-1]) > logits.shape[0]:
+        if int(cu_host[-1]) > num_logits:
             raise LayoutError(
-                f"cu_logits: expected a last offset <= the {logits.shape[0]} logits rows, got {int(cu_host[-1])}"
+                f"cu_logits: expected a last offset <= the {num_logits} logits rows, got {int(cu_host[-1])}"
             )
     if req_host is not None and req_host.size:
         if req_host.min() < -1 or req_host.max() >= n:
@@ -290,16 +379,4 @@ def apply_grammar_bitmask(
         used = pos_host if req_host is None else pos_host[req_host >= 0]
         if used.size and used.min() < 0:
             raise LayoutError(f"mapping.position: expected positions >= 0 for used rows, got {int(used.min())}")
-
-    be = resolve_backend(backend, device)
-    if rows == 0 or logits.shape[0] == 0 or width == 0:
-        return
-    be.apply(
-        logits,
-        bitmask.contiguous(),
-        request,
-        position,
-        cu,
-        int(vocab_size),
-        tail == "mask",
-    )
+    return request, position, cu

@@ -37,10 +37,12 @@ import torch
 from ..hookspecs import hookimpl
 from .sdk import INT_VIEW, NINF_BITS, BackendBase, Launcher
 
-__all__ = ["TorchBackend"]
+__all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
 
 _CHUNK_ELEMS = 1 << 16  # logits per CPU block: 256 KB of int32 keep-mask, it and its logits stay in L2
 _NP_INT: dict[torch.dtype, type[np.signedinteger[Any]]] = {torch.int32: np.int32, torch.int16: np.int16}
+FEW_ROWS = 16
+"""Up to this many mask rows, the CPU path finds live rows in Python and masks them one by one."""
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
 
 
@@ -128,6 +130,76 @@ def _apply_rows_cpu(
                 xi[d, c0:c1] = rows
 
 
+def _apply_row_cpu(
+    x: npt.NDArray[Any],
+    words: npt.NDArray[np.int32],
+    vocab_size: int,
+    mask_tail: bool,
+    ninf: np.signedinteger[Any],
+    keep: npt.NDArray[Any],
+) -> None:
+    """Mask one logits row ``x`` (an integer view) with one mask row ``words``, ``len(keep)`` columns at a time.
+
+    ``len(keep)`` is a multiple of 32, so every block starts on a mask word.
+    """
+    width = x.shape[0]
+    step = keep.shape[0]
+    for c0 in range(0, width, step):
+        c1 = min(width, c0 + step)
+        k = keep[: c1 - c0]
+        nbits = max(0, min(c1, vocab_size) - c0)  # columns of this block the mask decides
+        if nbits:
+            # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j.
+            by = words[c0 // 32 : (c0 + nbits + 31) // 32].view(np.uint8)
+            bits = np.unpackbits(by, count=nbits, bitorder="little").view(np.int8)
+            # 0/1 to 0/-1 in bytes, then sign-extended: faster than negating into the wide type.
+            np.negative(bits, out=bits)
+            np.copyto(k[:nbits], bits)
+        if nbits < c1 - c0:
+            k[nbits:] = 0 if mask_tail else -1
+        r = x[c0:c1]
+        # x = ((x ^ NINF) & keep) ^ NINF: kept bits unchanged, dropped ones exactly NINF.
+        np.bitwise_xor(r, ninf, out=r)
+        np.bitwise_and(r, k, out=r)
+        np.bitwise_xor(r, ninf, out=r)
+
+
+def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tuple[int, int]] | None:
+    """``(logits row, mask row)`` of every live mask row, by logits row; ``None`` if two share a logits row.
+
+    For a few rows, on checked values as Python lists: row ``i`` is live iff
+    ``request[i] >= 0`` and ``0 <= position[i] < cu[r + 1] - cu[r]``.
+    """
+    live = sorted(
+        (cu[r] + p, i)
+        for i, (r, p) in enumerate(zip(request, position, strict=True))
+        if r >= 0 and 0 <= p < cu[r + 1] - cu[r]
+    )
+    if len({d for d, _ in live}) != len(live):
+        return None
+    return live
+
+
+def mask_rows_cpu(
+    logits: torch.Tensor, bitmask: torch.Tensor, live: list[tuple[int, int]], vocab_size: int, mask_tail: bool
+) -> None:
+    """Mask CPU ``logits`` row ``d`` with ``bitmask`` row ``i`` for each ``(d, i)`` of ``live`` (distinct ``d``).
+
+    Normalised arguments as :class:`~maskplug.kernels.sdk.KernelBackend` gets
+    them (``bitmask`` contiguous); on the calling thread only.
+    """
+    if not live:
+        return
+    xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
+    itype = _NP_INT[INT_VIEW[logits.dtype]]
+    ninf = itype(NINF_BITS[logits.dtype])
+    words = bitmask.numpy()
+    width = xi.shape[1]
+    keep = np.empty(min(width, max(32, _CHUNK_ELEMS // 32 * 32)), dtype=itype)
+    for d, i in live:
+        _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)
+
+
 class TorchBackend(BackendBase):
     """Pure-torch kernel backend; exact on every device torch supports."""
 
@@ -154,6 +226,11 @@ class TorchBackend(BackendBase):
         vocab_size: int,
         mask_tail: bool,
     ) -> None:
+        if request.shape[0] <= FEW_ROWS and self._apply_few(
+            logits, bitmask, request, position, cu_logits, vocab_size, mask_tail
+        ):
+            return
+        itype = _NP_INT[INT_VIEW[logits.dtype]]
         req = request.numpy().astype(np.int64)
         pos = position.numpy().astype(np.int64)
         cu = cu_logits.numpy().astype(np.int64)
@@ -172,10 +249,32 @@ class TorchBackend(BackendBase):
             bm = bitmask.numpy()[src]
             words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
             src, dst = np.arange(starts.size), dst[starts]
-        itype = _NP_INT[INT_VIEW[logits.dtype]]
         # Same element size: a bit-pattern view of the logits' own memory, any row stride.
         xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
         _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
+
+    @staticmethod
+    def _apply_few(
+        logits: torch.Tensor,
+        bitmask: torch.Tensor,
+        request: torch.Tensor,
+        position: torch.Tensor,
+        cu_logits: torch.Tensor,
+        vocab_size: int,
+        mask_tail: bool,
+    ) -> bool:
+        """A few mask rows: the live rows worked out in Python (:func:`live_rows`), then :func:`mask_rows_cpu`.
+
+        At one request the numpy calls that find live rows for a whole batch
+        cost several times the masking itself. Returns ``False`` (nothing
+        written) when two mask rows aim at one logits row; the batch path then
+        ANDs them.
+        """
+        live = live_rows(request.numpy().tolist(), position.numpy().tolist(), cu_logits.numpy().tolist())
+        if live is None:
+            return False
+        mask_rows_cpu(logits, bitmask, live, vocab_size, mask_tail)
+        return True
 
     # -- CUDA (or any device): no host sync ---------------------------------------
     def _apply_device(
