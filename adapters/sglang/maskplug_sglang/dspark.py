@@ -442,8 +442,8 @@ class DSparkBudgetPlanner:
 
     @property
     def reads_grammar(self) -> bool:
-        """Whether the scheduler uses the step's draft masks (``grammar-aware``)."""
-        return getattr(self.scheduler, "name", None) == "grammar-aware"
+        """Whether the scheduler uses the step's draft masks (its ``uses_grammar`` flag, as ``grammar-aware`` sets)."""
+        return bool(getattr(self.scheduler, "uses_grammar", False))
 
     @property
     def max_drafts(self) -> int:
