@@ -26,6 +26,10 @@ import torch
 
 from maskplug import DraftMasks, GrammarRows, ScheduledLayout
 from maskplug.grammar import fill_draft_masks
+from maskplug.grammar.checks import check_bitmask
+from maskplug.grammar.draft import _Plan, _produce, _Walk
+from maskplug.grammar.jobs import claim, release
+from maskplug.grammar.protocols import Matcher
 
 from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
 from .host import draft_counts
@@ -73,6 +77,114 @@ def _strategy(num_grammar: int) -> str:
     return "serial" if num_grammar < SERIAL_BELOW else "auto"
 
 
+#: Matcher types known to satisfy :class:`~maskplug.grammar.protocols.Matcher` (the protocol check is slow).
+_MATCHER_TYPES: set[type] = set()
+_EOS: dict[int, tuple[Any, frozenset[int]]] = {}
+
+
+def _eos_of(vocab: Any) -> frozenset[int]:
+    hit = _EOS.get(id(vocab))
+    if hit is None or hit[0] is not vocab:
+        if len(_EOS) > 64:
+            _EOS.clear()
+        hit = _EOS[id(vocab)] = (vocab, frozenset(vocab.eos_ids))
+    return hit[1]
+
+
+def _fill_few(
+    bitmask: torch.Tensor, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+) -> tuple[int, DraftMasks] | None:
+    """The rows of a step with few grammar requests, by :func:`maskplug.fill_draft_masks`'s own serial walk.
+
+    The same walk, fault handling and result as ``fill_draft_masks(...,
+    strategy="serial")`` on the windows cut at the first ``-1`` (the walk
+    and its tail are the producer's own code), without what that call
+    spends on general input: no layout, row mapping or draft matrix checks
+    (the windows come straight from vLLM's lists), one bitmask check. The
+    cut windows are walked in place in the full windows' rows (the rows after
+    a cut are left unfilled, so they come out all-allowed, as in the general
+    path's copy). ``None`` when the step needs the general path's handling:
+    a matcher that is not a :class:`Matcher`, the same matcher twice, a
+    matcher without a vocabulary or with another width, a draft id outside
+    the vocabulary, or a bitmask the check refuses (the general path then
+    raises or fails those requests, with its own messages).
+    """
+    g_count = len(grammar_req_ids)
+    keys = [id(m) for m in matchers]
+    if g_count == 0 or len(set(keys)) != g_count:
+        return None
+    vocabs = []
+    for m in matchers:
+        cls = type(m)
+        if cls not in _MATCHER_TYPES:
+            if not isinstance(m, Matcher):
+                return None
+            _MATCHER_TYPES.add(cls)
+        v = getattr(m, "vocab", None)
+        if v is None:
+            return None
+        vocabs.append(v)
+    v0 = vocabs[0]
+    words, size = v0.mask_words, v0.vocab_size
+    cut: list[int] = []
+    full: list[int] = []
+    windows: list[list[int]] = []
+    get = spec_tokens.get
+    for g, r in enumerate(grammar_req_ids):
+        v = vocabs[g]
+        if v is not v0 and (v.mask_words != words or v.vocab_size != size):
+            return None
+        d = get(r, ())
+        n = len(d)
+        k = n
+        for p in range(n):
+            t = d[p]
+            if t.__class__ is not int or t >= size:
+                return None
+            if t < 0:
+                k = p
+                break
+        full.append(n)
+        cut.append(k)
+        windows.append(list(d[:k]))
+    row0 = [0] * g_count
+    total = 0
+    for g in range(g_count):
+        row0[g] = total
+        total += full[g] + 1
+    try:
+        check_bitmask(bitmask, total - 1, v0)
+    except Exception:
+        return None
+    width = max(cut)
+    d_mat = np.full((g_count, width), -1, dtype=np.int64)
+    for g, w in enumerate(windows):
+        if w:
+            d_mat[g, : len(w)] = w
+    nd = np.array(cut, dtype=np.int64)
+    walk = _Walk(
+        matchers,
+        d_mat,
+        nd,
+        nd + 1,
+        np.zeros(g_count, dtype=np.int64),
+        np.array(row0, dtype=np.int64),
+        [_eos_of(v) for v in vocabs],
+        bitmask,
+        total,
+        vocabs,
+        {},
+        arg="drafts",
+    )
+    idx = np.arange(g_count, dtype=np.int64)
+    held = claim(matchers, keys, "matchers")
+    try:
+        dm = _produce(_Plan(walk, keys, idx, walk.row0, "serial", 1))
+    finally:
+        release(held)
+    return total, dm
+
+
 def fill_step_rows(
     bitmask: torch.Tensor,
     grammars: list[Any],
@@ -90,6 +202,19 @@ def fill_step_rows(
     caller's (:func:`~maskplug_vllm.backend.fail_requests`).
     """
     g = len(grammar_req_ids)
+    matchers = [producer_matcher(gr) for gr in grammars]
+    if g < SERIAL_BELOW:
+        few = _fill_few(bitmask, matchers, list(grammar_req_ids), spec_tokens)
+        if few is not None:
+            return few
+    return _fill_general(bitmask, matchers, grammar_req_ids, spec_tokens)
+
+
+def _fill_general(
+    bitmask: torch.Tensor, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+) -> tuple[int, DraftMasks]:
+    """:func:`fill_step_rows` through :func:`maskplug.fill_draft_masks` (every batch size, every input)."""
+    g = len(grammar_req_ids)
     nd = draft_counts(grammar_req_ids, spec_tokens)
     flat = np.fromiter(
         itertools.chain.from_iterable(spec_tokens.get(r, ()) for r in grammar_req_ids),
@@ -98,7 +223,6 @@ def fill_step_rows(
     )
     ones = np.ones(g, dtype=np.int64)
     rows = GrammarRows(grammar_req_ids)
-    matchers = [producer_matcher(gr) for gr in grammars]
     total = int(nd.sum()) + g
     pad = flat < 0
     if not pad.any():

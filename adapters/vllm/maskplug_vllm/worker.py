@@ -55,27 +55,36 @@ def _vocab_size(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
 
 
 _ROWS_CACHE_SIZE = 256
-_rows_cache: dict[tuple[tuple[str, ...], tuple[str, ...], bytes], StepRows] = {}
+_rows_cache: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], tuple[StepRows, np.ndarray]] = {}
 
 
 def _scheduled_rows(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> StepRows:
-    """:func:`step_rows` for a step's scheduled drafts, reused while batch, grammar requests and counts repeat.
+    """:func:`step_rows` for a step's scheduled drafts, reused while batch, grammar requests and counts repeat."""
+    return _scheduled_step(req_ids, gids, spec)[0]
+
+
+def _scheduled_step(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> tuple[StepRows, np.ndarray]:
+    """:func:`step_rows` for a step's scheduled drafts and its padded row offsets, reused while the step repeats.
 
     A running batch sees the same few draft-count patterns step after step,
-    so the layout and row mapping of a recent step are handed back instead of
-    rebuilt (they are only read). Steps with grammar requests outside the
-    batch are always built afresh.
+    so the layout, row mapping and offsets of a recent step with the same
+    batch, grammar requests and counts are handed back instead of rebuilt
+    (they are only read). The key is plain tuples: at a few requests, numpy
+    arrays cost more to make than the lookup saves. Steps with grammar
+    requests outside the batch are always built afresh.
     """
-    nd = draft_counts(req_ids, spec)
-    key = (tuple(req_ids), tuple(gids), nd.tobytes())
-    rows = _rows_cache.get(key)
-    if rows is None:
-        rows = step_rows(req_ids, gids, nd, 1, spec)
+    get = spec.get
+    counts = tuple([len(get(r, ())) for r in req_ids])
+    key = (tuple(req_ids), tuple(gids), counts)
+    hit = _rows_cache.get(key)
+    if hit is None:
+        rows = step_rows(req_ids, gids, np.array(counts, dtype=np.int64), 1, spec)
+        hit = (rows, rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1]))
         if rows.num_batch == rows.layout.n:
             if len(_rows_cache) >= _ROWS_CACHE_SIZE:
                 _rows_cache.clear()
-            _rows_cache[key] = rows
-    return rows
+            _rows_cache[key] = hit
+    return hit
 
 
 def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, logits: torch.Tensor) -> None:
@@ -98,10 +107,8 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     spec = getattr(scheduler_output, SCHEDULED_SPEC_ATTR, None)
     if spec is None:
         spec = active
-    rows = _scheduled_rows(req_ids, gids, spec)
-    if spec is active:
-        cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
-    else:
+    rows, cu = _scheduled_step(req_ids, gids, spec)
+    if spec is not active:
         live = np.zeros(rows.num_batch + 1, dtype=np.int64)
         np.cumsum(draft_counts(req_ids, active) + 1, out=live[1:])
         cu = rows.pad_cu_logits(live)

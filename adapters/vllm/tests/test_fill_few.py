@@ -1,0 +1,231 @@
+"""The small-batch producer (:func:`maskplug_vllm.scheduler._fill_few`) writes what the general path writes.
+
+Below :data:`~maskplug_vllm.scheduler.SERIAL_BELOW` grammar requests,
+:func:`~maskplug_vllm.scheduler.fill_step_rows` skips the general input
+handling of :func:`maskplug.fill_draft_masks` and walks vLLM's draft lists
+directly. Checked here, with hypothesis over random steps: the rows, the row
+count and every :class:`~maskplug.DraftMasks` field (the failures' messages
+included) equal those of the general path (``fill_draft_masks(...,
+strategy="serial")`` on the windows cut at the first ``-1``), and the
+matchers end where they started, for live, terminated, already-failed and
+raising matchers (in ``fill``, ``accept`` or ``rollback``), drafts the grammar
+accepts, refuses or ends on, ``-1`` padding and ids outside the vocabulary;
+inputs the fast path does not take (a repeated matcher, a bad bitmask, ids
+outside the vocabulary) go to the general path and raise or fail exactly as
+it does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tiny_model
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from maskplug_vllm import scheduler as mp_sched
+from maskplug_vllm.backend import MaskplugBackend, MaskplugGrammar, producer_matcher
+from test_scheduler_masks import _vllm_config
+from vllm.v1.structured_output.backend_types import StructuredOutputOptions
+
+from maskplug import GrammarError, MaskplugError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "grammars"))
+from grammar_testkit import reference_rows
+
+
+class Faulty:
+    """A matcher that raises ``RuntimeError`` from its ``at``-th call of ``what`` on; the rest goes to ``inner``."""
+
+    batch_ops = None
+    releases_gil = False
+
+    def __init__(self, inner: Any, what: str, at: int) -> None:
+        self.inner, self.what, self.at, self.calls = inner, what, at, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _count(self, what: str) -> None:
+        if what == self.what:
+            self.calls += 1
+            if self.calls >= self.at:
+                raise RuntimeError(f"injected {what} fault, call {self.calls}")
+
+    def fill(self, bitmask: Any, row: int) -> bool:
+        self._count("fill")
+        return bool(self.inner.fill(bitmask, row))
+
+    def accept(self, token: int) -> bool:
+        self._count("accept")
+        return bool(self.inner.accept(token))
+
+    def rollback(self, n: int) -> None:
+        self._count("rollback")
+        self.inner.rollback(n)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    folder = tiny_model.build(tmp_path_factory.mktemp("tiny"))
+    tok = tiny_model.load_tokenizer(folder)
+    eos = {int(tok.eos_token_id)}
+    backend = MaskplugBackend(_vllm_config(), tok, tiny_model.VOCAB_SIZE, "xgrammar")
+    bases = [
+        backend.compile_grammar(StructuredOutputOptions.JSON, p.read_text(), stop_token_ids=eos)
+        for p in tiny_model.schema_paths()[:6]
+    ]
+    return tok, eos, bases
+
+
+def _state(m: Any, words: int) -> bytes:
+    """What a matcher would allow next (its position, as far as the rows can tell)."""
+    row = torch.zeros((1, words), dtype=torch.int32)
+    try:
+        m.fill(row, 0)
+    except Exception as exc:  # a raising matcher's state is its error
+        return repr(exc).encode()
+    return bytes(row.numpy().tobytes()) + bytes([int(m.is_terminated())])
+
+
+def _step(
+    setup: Any, seed: int, *, clean: bool = False
+) -> tuple[list[list[Any]], list[str], dict[str, list[int]], list[str]]:
+    """Two identical copies of a random step's matchers, its ids, its drafts and the fault kinds.
+
+    ``clean``: no faults, padding or ids outside the vocabulary (accepted and refused drafts only).
+    """
+    tok, eos, bases = setup
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 7))
+    vocab = tiny_model.VOCAB_SIZE
+    copies: list[list[Any]] = [[], []]
+    ids, spec, kinds = [], {}, []
+    for i in range(n):
+        base = bases[int(rng.integers(0, len(bases)))]
+        g = MaskplugGrammar(base.matcher.fork(), base.spec)
+        tiny_model.walk(g, rng, int(rng.integers(0, 40)), len(tok), frozenset(eos))
+        probe = MaskplugGrammar(g.matcher.fork(), g.spec)
+        drafts = tiny_model.walk(probe, rng, int(rng.integers(0, 5)), vocab)
+        kinds_of = (
+            ["ok", "reject"] if clean else ["ok", "ok", "ok", "reject", "pad", "fill", "accept", "rollback", "failed"]
+        )
+        kind = str(rng.choice(kinds_of))
+        if kind == "reject" and drafts:
+            drafts[int(rng.integers(0, len(drafts)))] = int(rng.integers(0, vocab))
+        elif kind == "pad" and drafts:
+            cut = int(rng.integers(0, len(drafts)))
+            drafts[cut:] = [-1] * (len(drafts) - cut)
+        if drafts and not clean and rng.random() < 0.05:
+            drafts[-1] = vocab + int(rng.integers(0, 40))  # outside the vocabulary: fails that request
+        rid = f"q{i}"
+        ids.append(rid)
+        if drafts or rng.random() < 0.5:
+            spec[rid] = drafts
+        at = int(rng.integers(1, 4))
+        for c in copies:
+            gc = MaskplugGrammar(g.matcher.fork(), g.spec)
+            if kind == "failed":
+                gc.error = GrammarError("earlier failure")
+            m = producer_matcher(gc)
+            c.append(Faulty(m, kind, at) if kind in ("fill", "accept", "rollback") else m)
+        kinds.append(kind)
+    return copies, ids, spec, kinds
+
+
+def _window(drafts: list[int]) -> list[int]:
+    """The drafts before vLLM's first ``-1`` padding (the rest is never walked nor checked)."""
+    return drafts[: drafts.index(-1)] if -1 in drafts else drafts
+
+
+def _general(bitmask: torch.Tensor, matchers: list[Any], ids: list[str], spec: dict[str, list[int]]) -> Any:
+    return mp_sched._fill_general(bitmask, matchers, ids, spec)
+
+
+def _same(a: Any, b: Any) -> None:
+    total_a, dm_a = a
+    total_b, dm_b = b
+    assert total_a == total_b
+    assert np.array_equal(dm_a.request, dm_b.request)
+    assert np.array_equal(dm_a.acceptable, dm_b.acceptable)
+    assert dm_a.forced.shape == dm_b.forced.shape and np.array_equal(dm_a.forced, dm_b.forced)
+    assert {k: str(v) for k, v in dm_a.failed.items()} == {k: str(v) for k, v in dm_b.failed.items()}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_fast_path_equals_general_path(setup: Any, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    (fast_ms, slow_ms), ids, spec, kinds = _step(setup, seed)
+    words = fast_ms[0].vocab.mask_words
+    rows = len(ids) + sum(len(v) for v in spec.values())
+    garbage = np.random.default_rng(seed).integers(-(2**31), 2**31, size=(rows + 2, words), dtype=np.int64)
+    bm_fast = torch.from_numpy(garbage.astype(np.int32))
+    bm_slow = bm_fast.clone()
+    # The fast path must be the one taken on every step it can serve.
+    fast = mp_sched._fill_few(bm_fast, fast_ms, ids, spec)
+    outside = any(t >= tiny_model.VOCAB_SIZE for v in spec.values() for t in _window(v))
+    if outside:
+        assert fast is None
+        fast = mp_sched._fill_general(bm_fast, fast_ms, ids, spec)
+    assert fast is not None
+    slow = _general(bm_slow, slow_ms, ids, spec)
+    _same(fast, slow)
+    assert torch.equal(bm_fast, bm_slow)
+    for mf, ms in zip(fast_ms, slow_ms, strict=True):
+        assert _state(mf, words) == _state(ms, words)
+    assert kinds  # every step has at least one request
+
+
+def test_fast_path_rows_match_the_reference(setup: Any) -> None:
+    """Without faults or padding, every row, ``acceptable`` and ``forced`` flag is the oracle's (replayed from scratch)."""
+    checked = 0
+    for seed in range(40):
+        (fast_ms, ref_ms), ids, spec, _ = _step(setup, 1000 + seed, clean=True)
+        vocab = fast_ms[0].vocab
+        rows = len(ids) + sum(len(v) for v in spec.values())
+        bm = torch.zeros((rows, vocab.mask_words), dtype=torch.int32)
+        fast = mp_sched._fill_few(bm, fast_ms, ids, spec)
+        assert fast is not None
+        start = 0
+        for g, r in enumerate(ids):
+            drafts = list(spec.get(r, ()))
+            ref = reference_rows(ref_ms[g], vocab, drafts, 1, 0)
+            assert int(fast[1].acceptable[g]) == ref.acceptable
+            for p, row in enumerate(ref.rows):
+                np.testing.assert_array_equal(bm[start + p].numpy(), row, err_msg=f"request {g} row {p}")
+                assert bool(fast[1].forced[g, p]) == ref.forced[p]
+            start += len(drafts) + 1
+        checked += 1
+    assert checked == 40
+
+
+def test_inputs_the_fast_path_leaves_to_the_general_path(setup: Any) -> None:
+    (ms, _), ids, spec, _ = _step(setup, 7)
+    words = ms[0].vocab.mask_words
+    rows = len(ids) + sum(len(v) for v in spec.values())
+    bm = torch.zeros((rows, words), dtype=torch.int32)
+    before = bm.clone()
+    if len(ms) > 1:
+        # The same matcher twice: refused by the general path, naming it; nothing written.
+        dup = [ms[0]] * len(ms)
+        assert mp_sched._fill_few(bm, dup, ids, spec) is None
+        with pytest.raises(GrammarError, match=r"matchers\[1\]"):
+            mp_sched.fill_step_rows(bm, [_Bare(m) for m in dup], ids, spec)
+        assert torch.equal(bm, before)
+    # A bitmask one word too narrow: the general path's error, nothing written.
+    narrow = torch.zeros((rows, words - 1), dtype=torch.int32)
+    assert mp_sched._fill_few(narrow, ms, ids, spec) is None
+    with pytest.raises(MaskplugError, match="bitmask"):
+        mp_sched.fill_step_rows(narrow, [_Bare(m) for m in ms], ids, spec)
+    assert not narrow.any()
+
+
+class _Bare:
+    """A stand-in grammar object whose producer matcher is the given one (not a MaskplugGrammar)."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher

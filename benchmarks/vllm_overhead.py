@@ -1,0 +1,272 @@
+"""maskplug's per-step cost inside vLLM's CPU engine, against vLLM's own fixed-K path, interleaved.
+
+Runs in the vLLM environment from the repository root::
+
+    adapters/.venv-vllm/bin/python benchmarks/vllm_overhead.py [--concurrency 1,16] [--rounds 7]
+
+On a tiny Llama (hidden 128, 2 layers, vocabulary 640, dummy fp32 weights:
+a step is mostly the engine's host work, which is what this measures) with
+n-gram drafting of ``K`` tokens (default 3), three engines run the same
+structured requests (JSON schema and regex, greedy):
+
+* ``vllm``: vLLM's own xgrammar rows and mask apply, every draft verified;
+* ``grammar``: ``MASKPLUG_VLLM=1``: maskplug's rows and mask apply, every draft verified;
+* ``verify-all``: also ``MASKPLUG_VLLM_SCHEDULER=verify-all``: the budget
+  planned and the outcome learnt in the engine core (the same drafts verified).
+
+Every engine lives in its own process for the whole run (vLLM loads its
+plugins once per process), compiles the workload's grammars and warms up at
+every concurrency first, then waits on a pipe. A round runs every engine
+once on the same requests, one after the other in a rotating order; the
+figure is output tokens per second of the engine process's CPU time
+(``--clock cpu``; one compute thread, so other work on the machine stretches
+the wall clock but hardly the CPU time), and the summary is the median over
+rounds of each round's ratio to ``vllm``. Every round checks that all
+engines generated identical tokens (a digest of every request's token ids).
+
+With ``--profile`` a last set of rounds times the engine's patched
+functions with ``time.thread_time_ns`` (CPU time of the calling thread)
+around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
+the structured-output manager's ``grammar_bitmask`` (the mask rows), the
+model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
+planning and outcome (``_Controller.plan`` / ``finish``), per engine step.
+``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_tiny as tiny
+
+MODES: dict[str, dict[str, str]] = {
+    "vllm": {},
+    "grammar": {"MASKPLUG_VLLM": "1"},
+    "verify-all": {"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "verify-all"},
+}
+
+
+# -- in the engine process ------------------------------------------------------------------------
+
+
+class _Timers:
+    """CPU nanoseconds and calls per wrapped function; installed once, switched on and off."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+        clock = time.thread_time_ns
+        timers = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not timers.on:
+                return fn(*args, **kwargs)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers.ns[name] = timers.ns.get(name, 0) + clock() - t0
+                timers.calls[name] = timers.calls.get(name, 0) + 1
+
+        setattr(owner, attr, timed)
+
+    def reset(self) -> None:
+        self.ns.clear()
+        self.calls.clear()
+
+
+def _install_timers() -> _Timers:
+    import vllm.v1.worker.gpu_model_runner as runner_mod
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    t = _Timers()
+    t.wrap(Scheduler, "schedule", "schedule")
+    t.wrap(Scheduler, "update_from_output", "update_from_output")
+    t.wrap(StructuredOutputManager, "grammar_bitmask", "rows")
+    t.wrap(runner_mod, "apply_grammar_bitmask", "apply")
+    t.wrap(runner_mod.GPUModelRunner, "execute_model", "execute_model")
+    if os.environ.get("MASKPLUG_VLLM_SCHEDULER"):
+        from maskplug_vllm import adaptive
+
+        t.wrap(adaptive._Controller, "plan", "plan")
+        t.wrap(adaptive._Controller, "finish", "outcome")
+    return t
+
+
+def _answer(obj: Any) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def serve(cfg: dict[str, Any]) -> None:
+    """One engine; answers ``{"c", "n", "seed", "max_tokens", "profile"}`` commands with a run's figures."""
+    from vllm import LLM
+
+    llm = LLM(**tiny.engine_kwargs(cfg["model"], cfg["speculative"], max(cfg["concurrency"])))
+    engine = llm.llm_engine
+    make = getattr(tiny, cfg.get("workload", "structured_workload"))
+    # Compile every grammar the runs will use (vLLM caches compiled grammars), then warm up at each
+    # concurrency (shapes, caches), untimed.
+    for seed in cfg["seeds"]:
+        tiny.closed_loop(engine, make(cfg["requests"], seed), max(cfg["concurrency"]), 2, f"compile-{seed}")
+    for c in cfg["concurrency"]:
+        tiny.closed_loop(engine, make(c, 10_000 + c), c, 8, f"warm-{c}")
+    timers = _install_timers()
+    _answer({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        reqs = make(cmd["n"], cmd["seed"])
+        timers.reset()
+        timers.on = bool(cmd.get("profile"))
+        res = tiny.closed_loop(engine, reqs, cmd["c"], cmd["max_tokens"], f"r{cmd['round']}-{cmd['c']}")
+        timers.on = False
+        res["timers_ns"] = dict(timers.ns)
+        res["timer_calls"] = dict(timers.calls)
+        _answer(res)
+
+
+# -- the driver -----------------------------------------------------------------------------------
+
+
+def _ratio_table(
+    rows: list[dict[str, Any]], modes: list[str], conc: list[int], rate: str
+) -> dict[int, dict[str, list[float]]]:
+    out: dict[int, dict[str, list[float]]] = {c: {m: [] for m in modes} for c in conc}
+    by = {(r["round"], r["c"], r["mode"]): r for r in rows}
+    for (rnd, c, m), r in by.items():
+        base = by.get((rnd, c, modes[0]))
+        if base is not None:
+            out[c][m].append(r[rate] / base[rate])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--requests", type=int, default=30, help="requests per run (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=3, help="n-gram drafts per step (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--modes", default=",".join(MODES), help="engines, the first is the reference")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    p.add_argument("--profile", type=int, default=2, help="rounds with per-function timers after the others")
+    p.add_argument("--json", default=None)
+    p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve is not None:
+        serve(json.loads(args.serve))
+        return 0
+    conc = [int(x) for x in args.concurrency.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    rate = "tokens_per_cpu_s" if args.clock == "cpu" else "tokens_per_s"
+    total_rounds = args.rounds + args.profile
+    with tempfile.TemporaryDirectory(prefix="maskplug-overhead-") as tmp:
+        model = str(tiny.build_model(Path(tmp) / "model"))
+        cfg = {
+            "model": model,
+            "speculative": tiny.ngram(args.k),
+            "concurrency": conc,
+            "requests": args.requests,
+            "seeds": list(range(total_rounds)),
+        }
+        print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
+        print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
+        t0 = time.perf_counter()
+        engines = {
+            m: tiny.EngineProcess(__file__, m, cfg, tiny.child_env(MODES[m]), Path(tmp) / f"{m}.log") for m in modes
+        }
+        print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows: list[dict[str, Any]] = []
+        mismatches: list[str] = []
+        try:
+            for rnd in range(total_rounds):
+                profile = rnd >= args.rounds
+                for c in conc:
+                    order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
+                    digests = {}
+                    for m in order:
+                        res = engines[m].ask(
+                            {
+                                "c": c,
+                                "n": args.requests,
+                                "seed": rnd,
+                                "max_tokens": args.max_tokens,
+                                "round": rnd,
+                                "profile": profile,
+                            }
+                        )
+                        res.update(mode=m, c=c, round=rnd, profile=profile)
+                        rows.append(res)
+                        digests[m] = res["digest"]
+                    if len(set(digests.values())) != 1:
+                        mismatches.append(f"round {rnd} c={c}: {digests}")
+                    line = "  ".join(
+                        f"{m} {r[rate]:7.1f}" for m in modes for r in rows[-len(modes) :] if r["mode"] == m
+                    )
+                    print(
+                        f"round {rnd + 1}{' (profiled)' if profile else ''} c={c}: {line}  load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
+        finally:
+            for e in engines.values():
+                e.close()
+    timed = [r for r in rows if not r["profile"]]
+    ratios = _ratio_table(timed, modes, conc, rate)
+    clock = "engine process CPU time" if args.clock == "cpu" else "wall-clock time"
+    print(f"\noutput tokens per second of {clock}: median over {args.rounds} interleaved rounds")
+    print(f"{'engine':<12}" + "".join(f"{'c=' + str(c):>26}" for c in conc))
+    summary: dict[str, Any] = {}
+    for m in modes:
+        cells = []
+        for c in conc:
+            vals = [r[rate] for r in timed if r["mode"] == m and r["c"] == c]
+            rs = ratios[c][m]
+            med, lo, hi = statistics.median(rs), min(rs), max(rs)
+            summary[f"{m}@{c}"] = {
+                "tokens_per_s_median": statistics.median(vals),
+                "ratio_median": med,
+                "ratio_min": lo,
+                "ratio_max": hi,
+            }
+            cells.append(f"{statistics.median(vals):7.1f} ({med:.3f}x {lo:.2f}-{hi:.2f})")
+        print(f"{m:<12}" + "".join(f"{x:>26}" for x in cells))
+    print(f"(ratio to {modes[0]}: median of per-round ratios, min-max)")
+    profiled = [r for r in rows if r["profile"]]
+    if profiled:
+        print("\nper engine step, CPU µs of the calling thread (profiled rounds, all steps)")
+        names = ["schedule", "rows", "plan", "update_from_output", "outcome", "execute_model", "apply"]
+        print(f"{'engine':<12}{'c':>4}" + "".join(f"{n:>20}" for n in names))
+        for m in modes:
+            for c in conc:
+                prs = [r for r in profiled if r["mode"] == m and r["c"] == c]
+                steps = sum(r["steps"] for r in prs)
+                cells = []
+                for n in names:
+                    ns = sum(r["timers_ns"].get(n, 0) for r in prs)
+                    cells.append(f"{ns / 1e3 / max(1, steps):8.1f}" if any(n in r["timers_ns"] for r in prs) else "-")
+                print(f"{m:<12}{c:>4}" + "".join(f"{x:>20}" for x in cells))
+    loads = [x for r in rows for x in (r["load_before"], r["load_after"])]
+    print(f"\nload average (1 min) around the runs: {min(loads):.1f} to {max(loads):.1f}")
+    print("identical tokens in every round: " + ("yes" if not mismatches else "NO: " + "; ".join(mismatches)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary, "mismatches": mismatches}, indent=1))
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""What the vLLM engine benchmarks share: a tiny model folder, the workloads, a closed loop, one engine per process.
+
+Imported by ``benchmarks/vllm_overhead.py`` and ``benchmarks/vllm_engine.py``
+(run from the repository root, in the vLLM environment). Self-contained on
+purpose: the benchmarks must not change when the demo's model or workload does.
+
+* :func:`build_model`: a Llama folder (byte-level BPE tokenizer trained here,
+  deterministically, on JSON-like text from maskplug's bundled schemas; a
+  config whose weights vLLM fills at random, ``load_format="dummy"``), and
+  :func:`build_draft`, the same config with fewer layers (same tokenizer) for
+  vLLM's ``draft_model`` drafter.
+* :func:`structured_workload`: JSON-schema and regex requests (two to one)
+  whose prompts hold text the n-gram drafter can copy.
+* :func:`mixed_workload`: half requests whose drafts are mostly accepted
+  (a regex whose only answer is spelled out in the prompt, so the drafter
+  copies it and the grammar forces it), half whose drafts mostly fail
+  (free text after a prompt of repeated digits, which the random model does
+  not continue).
+* :func:`closed_loop`: ``c`` requests in flight on an ``LLMEngine``, output
+  tokens, CPU and wall time, and a digest of every request's tokens.
+* :class:`EngineProcess`: one engine configuration in its own process (vLLM
+  loads its plugins once per process), driven round by round over a pipe so
+  that configurations can be measured interleaved without restarting engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REGEXES = [
+    r"[a-z]{3,10}-[0-9]{2,4}",
+    r"(yes|no|maybe)",
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}",
+    r"(alice|bob)@[a-z]{2,8}\.(com|org)",
+]
+
+#: One compute thread whose idle OpenMP peers sleep, and a one-thread numba pool for the n-gram
+#: drafter: on a small machine shared with other work, spinning pool threads stall every step.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "NUMBA_NUM_THREADS": "1"}
+
+
+def _corpus(lines: int = 3000, seed: int = 0) -> list[str]:
+    from maskplug.data import load_schemas
+
+    rng = random.Random(seed)
+    words: set[str] = set()
+    for _, schema in load_schemas():
+        words.update(w for w in json.dumps(schema).replace('"', " ").split() if w.isascii())
+    vocab = [*sorted(words), "true", "false", "null", "alice", "bob", "yes", "no", "maybe"]
+    out = []
+    for _ in range(lines):
+        keys = rng.sample(vocab, k=3)
+        vals = [rng.choice([str(rng.randint(0, 999)), f'"{rng.choice(vocab)}"', "true", "[1, 2]", "{}"]) for _ in keys]
+        out.append("{" + ", ".join(f'"{k}": {v}' for k, v in zip(keys, vals, strict=True)) + "}")
+    return out
+
+
+def build_model(
+    folder: Path | str,
+    *,
+    vocab_size: int = 640,
+    hidden_size: int = 128,
+    intermediate_size: int = 256,
+    num_layers: int = 2,
+    head_dim: int = 64,
+) -> Path:
+    """Write a Llama model folder (tokenizer and config, no weights) for ``load_format="dummy"``.
+
+    ``</s>`` (id 0) is the tokenizer's only special token and the EOS; vLLM's
+    CPU attention needs a head dimension of at least 32 (64 by default).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "model_max_length": 4096})
+    )
+    heads = max(1, hidden_size // head_dim)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": hidden_size // heads,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def build_draft(folder: Path | str, target: Path | str, *, num_layers: int = 1) -> Path:
+    """A draft model for ``target``: its tokenizer, its config with ``num_layers`` layers.
+
+    With dummy weights from the same seed the draft shares the target's
+    embeddings, head and first layers, so it agrees with the target on some
+    tokens and not on others.
+    """
+    out, tgt = Path(folder), Path(target)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((tgt / name).read_bytes())
+    config = json.loads((tgt / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def structured_workload(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` structured requests, JSON schema and regex two to one, prompts with text to copy."""
+    from maskplug.data import load_schemas
+
+    schemas = load_schemas()
+    rng = random.Random(seed)
+    reqs: list[dict[str, Any]] = []
+    for i in range(n):
+        if i % 3 != 2:
+            name, schema = schemas[rng.randrange(len(schemas))]
+            prompt = f'{name} {i}: {{"name": "alice", "id": {i}, "tags": ["a", "b"]}} -> '
+            reqs.append({"kind": "json", "schema": schema, "prompt": prompt})
+        else:
+            pattern = REGEXES[rng.randrange(len(REGEXES))]
+            prompt = f"pattern {i}: alice-{i} bob-{i + 1} alice-{i} -> "
+            reqs.append({"kind": "regex", "regex": pattern, "prompt": prompt})
+    return reqs
+
+
+def mixed_workload(n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` requests in turn: drafts mostly accepted, drafts mostly rejected.
+
+    * ``copy``: a regex whose only match is a fixed string of words that the
+      prompt spells out three times: the n-gram drafter proposes its
+      continuation from the prompt and the grammar forces exactly those
+      tokens, so nearly every draft is accepted.
+    * ``free``: unconstrained text after a prompt of digits: the drafter
+      matches the model's own tokens against the prompt now and then and
+      proposes digits the random model does not pick, so drafts mostly fail.
+    """
+    rng = random.Random(seed)
+    words = ["alice", "bob", "name", "true", "false", "null", "yes", "no", "maybe", "id", "tags"]
+    reqs: list[dict[str, Any]] = []
+    for i in range(n):
+        if i % 2 == 0:
+            answer = " ".join(rng.choice(words) for _ in range(12)) + f" {i}"
+            prompt = f"copy {i}: {answer}. again: {answer}. again: {answer}. once more: "
+            reqs.append({"kind": "regex", "regex": _literal(answer), "prompt": prompt})
+        else:
+            digits = " ".join(str(rng.randint(0, 999)) for _ in range(16))
+            reqs.append({"kind": "free", "prompt": f"free {i}: {digits} -> "})
+    return reqs
+
+
+def _literal(text: str) -> str:
+    """A regex matching exactly ``text``."""
+    import re
+
+    return re.escape(text)
+
+
+def sampling_params(req: dict[str, Any], max_tokens: int) -> Any:
+    """Greedy ``SamplingParams`` with the request's structured-output constraint."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = None
+    if req["kind"] == "json":
+        so = StructuredOutputsParams(json=req["schema"])
+    elif req["kind"] == "regex":
+        so = StructuredOutputsParams(regex=req["regex"])
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+
+
+def engine_kwargs(model: str, speculative: dict[str, Any] | None, max_num_seqs: int, **extra: Any) -> dict[str, Any]:
+    """``vllm.LLM`` arguments as every benchmark engine runs: dummy fp32 weights, eager, xgrammar backend name."""
+    kw: dict[str, Any] = {
+        "model": model,
+        "tokenizer": model,
+        "load_format": "dummy",
+        "dtype": "float32",
+        "enforce_eager": True,
+        "gpu_memory_utilization": 0.3,
+        "max_model_len": 512,
+        "max_num_seqs": max_num_seqs,
+        "seed": 0,
+        "structured_outputs_config": {"backend": "xgrammar"},
+    }
+    if speculative:
+        kw["speculative_config"] = dict(speculative)
+    kw.update(extra)
+    return kw
+
+
+def ngram(k: int) -> dict[str, Any]:
+    """vLLM's n-gram drafter proposing up to ``k`` tokens (prompt lookups of 1 to 3 tokens)."""
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def closed_loop(
+    engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: int, tag: str, *, on_step: Any = None
+) -> dict[str, Any]:
+    """Run ``reqs`` with ``c`` in flight (the next added as one finishes); tokens, times and a token digest."""
+    pending = list(enumerate(reqs))
+    in_flight = tokens = steps = 0
+    outputs: dict[int, list[int]] = {}
+    finish: dict[str, int] = {}
+
+    def submit() -> None:
+        nonlocal in_flight
+        while pending and in_flight < c:
+            i, r = pending.pop(0)
+            engine.add_request(f"{tag}-{i}", r["prompt"], sampling_params(r, max_tokens))
+            in_flight += 1
+
+    load_before = os.getloadavg()[0]
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    submit()
+    while in_flight or pending:
+        outs = engine.step()
+        steps += 1
+        if on_step is not None:
+            on_step()
+        for o in outs:
+            if o.finished:
+                in_flight -= 1
+                ids = list(o.outputs[0].token_ids)
+                tokens += len(ids)
+                outputs[int(o.request_id.rsplit("-", 1)[1])] = ids
+                reason = str(o.outputs[0].finish_reason)
+                finish[reason] = finish.get(reason, 0) + 1
+        submit()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    digest = hashlib.sha256(json.dumps([outputs[i] for i in sorted(outputs)]).encode()).hexdigest()[:16]
+    return {
+        "requests": len(reqs),
+        "output_tokens": tokens,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_cpu_s": tokens / cpu,
+        "steps": steps,
+        "digest": digest,
+        "finish_reasons": finish,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def child_env(mode_env: dict[str, str], *, in_process: bool = True) -> dict[str, str]:
+    """The environment of one engine process: no inherited ``MASKPLUG_VLLM*``, one compute thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    for k, v in THREAD_ENV.items():
+        env.setdefault(k, v)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    env.update(mode_env)
+    return env
+
+
+class EngineProcess:
+    """One engine configuration in a child process, answering one JSON command per line.
+
+    The child is ``python <script> --serve <config json>``; the script's serve
+    loop (see ``vllm_overhead.serve``) reads a command per line and writes one
+    JSON line back. Children wait on their pipe between commands, so
+    configurations take turns on the machine round by round.
+    """
+
+    def __init__(self, script: str, label: str, config: dict[str, Any], env: dict[str, str], log: Path) -> None:
+        self.label = label
+        self.log = log
+        # vLLM logs a lot: to a file, so a full pipe never blocks the child.
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, script, "--serve", json.dumps(config)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
+        self.ready = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.log.read_text()
+                raise SystemExit(f"engine {self.label} ended (rc {self.proc.wait()}):\n{err[-4000:]}")
+            if line.startswith("@@"):
+                return json.loads(line[2:])  # type: ignore[no-any-return]
+
+    def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        """Send one command; its JSON answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        """End the child (it leaves when its pipe closes)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
