@@ -633,10 +633,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 server.start(wait)
             except RuntimeError as exc:
-                stop_wait()
+                stop_wait()  # before the message, so the spinner does not overwrite it
                 out.line(str(exc))
                 return 1
-            stop_wait()
+            finally:
+                stop_wait()
             out.line(
                 f"server up in {time.monotonic() - t_start:.0f} s at {server.url}: "
                 f"maskplug choosing the budget with {args.scheduler}"

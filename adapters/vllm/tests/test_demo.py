@@ -239,7 +239,7 @@ def test_server_command_and_environment() -> None:
     assert env["MASKPLUG_VLLM"] == "1" and env["MASKPLUG_VLLM_SCHEDULER"] == "grammar-aware:goodput"
 
 
-def _demo(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "maskplug_vllm.demo", *args], capture_output=True, text=True, timeout=timeout
     )
