@@ -123,9 +123,12 @@ class GrammarSpec:
     Under ``strict_keys=True`` xgrammar closes an object with ``required``
     but no ``properties`` to no key at all, ignores a parent's
     ``properties`` beside ``anyOf`` and reads ``allOf`` of several members as
-    any value; outlines-core reads compositions its own way (``allOf``
-    members one after another, a parent's ``properties`` beside ``anyOf``
-    ignored).
+    any value. outlines-core gets ``allOf`` members, ``$ref``'d bases and a
+    parent's keys folded into one object per branch first (its own regex
+    builder writes ``allOf`` members one after another); compositions that
+    cannot be folded, ``patternProperties``, an ``additionalProperties``
+    schema and an object with ``required`` but no ``properties`` (left
+    open) are read its own way.
     """
 
     kind: str

@@ -63,7 +63,15 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (``json_schema``):
   states at every whitespace position, and the ``Index`` build grew from
   0.12 s to 1.49 s (N = 20) for a small schema on a 32k vocabulary, about
   4x more at 131k, past the default compile limit;
-* ``strict_keys=True`` is what outlines-core always does (only listed keys);
+* ``strict_keys=True`` is what outlines-core always does (only listed keys).
+  Its regex builder writes ``allOf`` members one after another (two objects
+  in a row) and ignores a parent's ``properties`` beside ``anyOf``/``oneOf``,
+  so maskplug first folds ``allOf`` members, ``$ref``'d bases beside other
+  keywords and a parent's keys into one object (one per branch of a single
+  ``anyOf``/``oneOf``; :func:`merge_compositions`): the keys of every member
+  are allowed where the schema names them, as for the other providers;
+  compositions it cannot fold (members with clashing keywords, several
+  disjunctions) are left to outlines-core;
   ``strict_keys=False`` raises :class:`GrammarError` naming ``strict_keys``
   for a schema with an object that would allow unlisted keys;
 * ``unsupported``: outlines-core leaves keywords it does not know out without
@@ -82,6 +90,7 @@ built in a worker process killed at the limit and comes back pickled
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -118,6 +127,8 @@ __all__ = [
     "OutlinesProvider",
     "choice_regex",
     "grammar_text_ids",
+    "merge_compositions",
+    "sentinel_pattern",
 ]
 
 # Draft windows are a handful of tokens; deeper rollbacks rebuild the guide.
@@ -611,6 +622,10 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
             return src
         if spec.kind == "json_schema":
             text = schema_text(src)
+            schema = schema_dict(src)
+            folded = merge_compositions(schema)
+            if folded != schema:
+                text = json.dumps(folded)
             # None: outlines-core's own ``[ ]?``, at most one whitespace character, within any max_whitespace >= 1.
             ws = "" if spec.whitespace == "compact" or spec.max_whitespace == 0 else None
             try:
@@ -717,3 +732,135 @@ def worker_compiler(vocab: Vocab, mask_cache_bytes: int) -> Callable[[GrammarSpe
     provider = OutlinesProvider(vocab, mask_cache_bytes, compile_limit_s=None)
     provider.engine_vocabulary()  # built at the worker's start-up, not inside the first compile's limit
     return provider.build
+
+
+# -- compositions ---------------------------------------------------------------------------------------------------
+class _NoMerge(Exception):
+    """Two schemas maskplug cannot intersect into one (the composition is left to outlines-core)."""
+
+
+_COMPOSE = ("allOf", "anyOf", "oneOf", "$ref")
+# Keywords that describe a value; intersecting schemas that both use one differently is not attempted.
+_KEEP_FIRST = frozenset({"title", "description", "$comment", "examples", "default", "$schema", "$id", "id"})
+
+
+def _intersect(a: dict[str, Any], b: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, Any]:
+    """One schema that means ``a`` and ``b`` (both without compositions), or :class:`_NoMerge`.
+
+    ``properties`` are merged (``a``'s first; a name in both gets the merge
+    of its two schemas), ``required`` is the union, ``type`` the
+    intersection; any other keyword must be the same in both.
+    """
+    out = dict(a)
+    for k, v in b.items():
+        if k not in out:
+            out[k] = v
+        elif k == "properties" and isinstance(v, dict) and isinstance(out[k], dict):
+            props = dict(out[k])
+            for n, s in v.items():
+                if n not in props or props[n] == s:
+                    props[n] = s
+                else:
+                    props[n] = _merged({"allOf": [props[n], s]}, root, depth + 1)
+                    if "allOf" in props[n]:
+                        raise _NoMerge(n)
+            out[k] = props
+        elif k == "required" and isinstance(v, list) and isinstance(out[k], list):
+            out[k] = list(dict.fromkeys([*out[k], *v]))
+        elif k == "type":
+            tb = v if isinstance(v, list) else [v]
+            both = [t for t in (out[k] if isinstance(out[k], list) else [out[k]]) if t in tb]
+            if not both:
+                raise _NoMerge("type")
+            out[k] = both[0] if len(both) == 1 else both
+        elif k in _KEEP_FIRST or out[k] == v:
+            continue
+        else:
+            raise _NoMerge(k)
+    return out
+
+
+def _merged(node: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """``node`` with ``allOf`` and ``$ref``-beside-keywords folded into one object schema where possible.
+
+    outlines-core's regex builder writes ``allOf`` members one after
+    another (two objects in a row) and ignores a parent's ``properties``
+    beside ``anyOf``/``oneOf``; this fold gives it one object (or one
+    object per branch) instead, so the keys of every member are where JSON
+    Schema puts them. Anything it cannot fold is left as it was.
+    """
+    if depth > 32 or not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {n: _merged(s, root, depth + 1) for n, s in v.items()}
+        elif k in ("enum", "const", "default", "examples", "required") or k in _KEEP_FIRST:
+            out[k] = v
+        elif isinstance(v, dict):
+            out[k] = _merged(v, root, depth + 1)
+        elif isinstance(v, list) and k in ("allOf", "anyOf", "oneOf", "prefixItems", "items"):
+            out[k] = [_merged(x, root, depth + 1) for x in v]
+        else:
+            out[k] = v
+    try:
+        return _fold(out, root, depth)
+    except (_NoMerge, KeyError, IndexError, TypeError):
+        return out
+
+
+def _fold(node: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, Any]:
+    members: list[dict[str, Any]] = []
+    base = {k: v for k, v in node.items() if k not in _COMPOSE}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and base.keys() - _KEEP_FIRST:
+        from maskplug.grammar.spec import _pointer
+
+        target = _merged(_pointer(root, ref), root, depth + 1)
+        if not isinstance(target, dict) or any(k in target for k in _COMPOSE):
+            raise _NoMerge("$ref")
+        members.append(target)
+        ref = None
+    all_of = node.get("allOf")
+    if isinstance(all_of, list):
+        for m in all_of:
+            if not isinstance(m, dict):
+                raise _NoMerge("allOf")
+            if "$ref" in m and len(m) == 1:
+                from maskplug.grammar.spec import _pointer
+
+                m = _merged(_pointer(root, m["$ref"]), root, depth + 1)
+            if not isinstance(m, dict) or any(k in m for k in ("allOf", "$ref")):
+                raise _NoMerge("allOf")
+            members.append(m)
+    if not members and not (base.keys() & {"properties", "required"} and ("anyOf" in node or "oneOf" in node)):
+        return node
+    # Members first (a base's keys before the keys the schema adds), then the schema's own.
+    merged: dict[str, Any] = {}
+    disjunctions = [node[k] for k in ("anyOf", "oneOf") if isinstance(node.get(k), list)]
+    for m in members:
+        own = {k: v for k, v in m.items() if k not in ("anyOf", "oneOf")}
+        disjunctions.extend(m[k] for k in ("anyOf", "oneOf") if isinstance(m.get(k), list))
+        merged = _intersect(merged, own, root, depth) if merged else dict(own)
+    merged = _intersect(merged, base, root, depth) if merged else dict(base)
+    if isinstance(ref, str):
+        merged["$ref"] = ref
+    if not disjunctions:
+        return merged
+    if len(disjunctions) > 1 or isinstance(ref, str):
+        raise _NoMerge("anyOf")
+    # One disjunction: each branch gets the rest of the object (a parent's properties stay in every branch).
+    branches = []
+    for b in disjunctions[0]:
+        if not isinstance(b, dict) or any(k in b for k in _COMPOSE):
+            raise _NoMerge("anyOf")
+        branches.append(_intersect(dict(merged), b, root, depth))
+    keep = {k: v for k, v in merged.items() if k in _KEEP_FIRST or k in ("$defs", "definitions")}
+    return {**keep, "anyOf": branches}
+
+
+def merge_compositions(schema: Any) -> Any:
+    """``schema`` with the compositions outlines-core cannot read folded into plain objects (see :func:`_merged`)."""
+    if not isinstance(schema, dict):
+        return schema
+    return _merged(schema, schema)
