@@ -18,6 +18,17 @@ tokens per second and the mean engine-step time at each concurrency, for:
   measured first by ``python -m maskplug_vllm.calibrate`` on the same model
   (with the same clock as the summary, see below).
 
+Options beyond that: ``--workload mixed`` (half requests whose n-gram
+drafts are mostly accepted, half whose drafts mostly fail; see
+``benchmarks/vllm_tiny.py``), ``--drafter draft_model`` (vLLM's draft-model
+drafter on a 1-layer copy of the target's config with its tokenizer; fixed K
+against ``dspark`` and ``grammar-aware:dspark``, which read the drafter's
+confidences), and ``--tp 2`` (``tensor_parallel_size=2`` with
+``VLLM_CPU_OMP_THREADS_BIND="0|1"``: tensor parallelism needs vLLM's
+multiprocess engine, so every engine core runs in its own process, each
+scheduler gets its own engine, and the summary uses the wall clock).
+The model, workloads and closed loop come from ``benchmarks/vllm_tiny.py``.
+
 Every engine compiles the workload's grammars once before anything is
 timed. Concurrency ``c`` is a closed loop: ``c`` requests in flight, the next one
 added as soon as one finishes, ``requests-per-slot × c`` requests in all
@@ -61,44 +72,42 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_tiny as tiny
+
 BASELINES = {"no-spec": 0, "K=1": 1, "K=3": 3, "K=5": 5}
 ADAPTIVE = ["goodput", "grammar-aware:goodput"]
+#: The schedulers with the draft-model drafter: they read its confidences.
+ADAPTIVE_DRAFT_MODEL = ["dspark", "grammar-aware:dspark"]
 MAX_SPEC = 5
 
 
-def _engine_kwargs(model: str, spec: int, max_num_seqs: int) -> dict[str, Any]:
-    kw: dict[str, Any] = {
-        "model": model,
-        "tokenizer": model,
-        "load_format": "dummy",
-        "dtype": "float32",
-        "enforce_eager": True,
-        "gpu_memory_utilization": 0.3,
-        "max_model_len": 512,
-        "max_num_seqs": max_num_seqs,
-        "seed": 0,
-        "structured_outputs_config": {"backend": "xgrammar"},
-    }
-    if spec:
-        kw["speculative_config"] = {
-            "method": "ngram",
-            "num_speculative_tokens": spec,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        }
-    return kw
+def _speculative(cfg: dict[str, Any], spec: int) -> dict[str, Any] | None:
+    """The speculative config of a run: n-gram, or the draft model (same tokenizer, fewer layers)."""
+    if not spec:
+        return None
+    if cfg.get("drafter") == "draft_model":
+        return {"method": "draft_model", "model": cfg["draft"], "num_speculative_tokens": spec}
+    return tiny.ngram(spec)
 
 
-def _structured_workload(n: int, seed: int) -> list[dict[str, Any]]:
-    from maskplug_vllm.demo import workload
+def _engine_kwargs(cfg: dict[str, Any], spec: int, max_num_seqs: int) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if cfg.get("tp", 1) > 1:
+        extra["tensor_parallel_size"] = cfg["tp"]
+    return tiny.engine_kwargs(cfg["model"], _speculative(cfg, spec), max_num_seqs, **extra)
 
-    # Only the structured requests of the demo's mix (JSON schema and regex, two to one).
-    out = [r for r in workload(2 * n + 8, seed=seed) if r["kind"] != "free"]
-    return out[:n]
+
+def _structured_workload(n: int, seed: int, kind: str = "structured") -> list[dict[str, Any]]:
+    """The run's requests: ``structured`` (JSON schema and regex) or ``mixed`` (see ``vllm_tiny.mixed_workload``)."""
+    if kind == "mixed":
+        return tiny.mixed_workload(n, seed)
+    return tiny.structured_workload(n, seed)
 
 
 def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: int, tag: str) -> dict[str, Any]:
-    from maskplug_vllm.demo import sampling_params
+    sampling_params = tiny.sampling_params
 
     pending = list(enumerate(reqs))
     in_flight = 0
@@ -155,7 +164,13 @@ def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: in
 def child(spec_json: str) -> None:
     """One engine configuration in this process; prints one JSON line of results."""
     cfg = json.loads(spec_json)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tp = int(cfg.get("tp", 1))
+    # Tensor parallelism needs vLLM's multiprocess engine (its workers are processes): then the
+    # scheduler runs in the engine-core process, set once by the environment, and only the wall
+    # clock sees the whole engine.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if tp > 1 else "0"
+    if tp > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     for k in [k for k in os.environ if k.startswith("MASKPLUG_VLLM")]:
         del os.environ[k]
@@ -165,25 +180,26 @@ def child(spec_json: str) -> None:
         os.environ["MASKPLUG_VLLM_COST"] = cfg["cost"]
     from vllm import LLM
 
-    llm = LLM(**_engine_kwargs(cfg["model"], cfg["spec"], max(cfg["concurrency"])))
+    llm = LLM(**_engine_kwargs(cfg, cfg["spec"], max(cfg["concurrency"])))
     engine = llm.llm_engine
+    kind = cfg.get("workload", "structured")
     # Compile every grammar of the workload once (vLLM caches compiled grammars), so no timed
     # run waits for a compilation.
-    _closed_loop(engine, _structured_workload(64, seed=0), 64, 2, "compile")
+    _closed_loop(engine, _structured_workload(64, 0, kind), 64, 2, "compile")
     results: list[dict[str, Any]] = []
     names = cfg["schedulers"] or [None]
     for name in names:
-        if name is not None:
+        if name is not None and tp == 1:
             import maskplug_vllm
 
             maskplug_vllm.set_scheduler(name)
         for c in cfg["concurrency"]:
             n = max(cfg["min_requests"], cfg["requests_per_slot"] * c)
             # Warm-up at this batch size (shapes, grammar caches), not timed.
-            _closed_loop(engine, _structured_workload(c, seed=1000 + c), c, 6, f"warm-{name}-{c}")
+            _closed_loop(engine, _structured_workload(c, 1000 + c, kind), c, 6, f"warm-{name}-{c}")
             if name is not None:
                 maskplug_vllm.reset_step_stats()
-            res = _closed_loop(engine, _structured_workload(n, seed=c), c, cfg["max_tokens"], f"run-{name}-{c}")
+            res = _closed_loop(engine, _structured_workload(n, c, kind), c, cfg["max_tokens"], f"run-{name}-{c}")
             res.update(config=name or cfg["label"], concurrency=c)
             if name is not None:
                 res["stats"] = maskplug_vllm.step_stats()
@@ -281,6 +297,27 @@ def main(argv: list[str] | None = None) -> int:
         help="what the summary divides by: the engine process's CPU time (default; steady on a machine "
         "shared with other work, the engine computing on one thread) or wall-clock time",
     )
+    p.add_argument(
+        "--workload",
+        choices=("structured", "mixed"),
+        default="structured",
+        help="structured: JSON schema and regex requests; mixed: half whose drafts are mostly accepted "
+        "(a copied answer), half whose drafts mostly fail (free text)",
+    )
+    p.add_argument(
+        "--drafter",
+        choices=("ngram", "draft_model"),
+        default="ngram",
+        help="ngram (schedulers goodput, grammar-aware:goodput) or draft_model: a 1-layer draft of the target "
+        "with the same tokenizer (schedulers dspark, grammar-aware:dspark)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor_parallel_size (>1: vLLM's multiprocess engine, VLLM_CPU_OMP_THREADS_BIND one core per "
+        "rank, one scheduler per engine, wall clock)",
+    )
     p.add_argument("--model-dir", default=None, help="build the model here (default: a temporary folder)")
     p.add_argument("--cost", default=None, help="use this cost file instead of calibrating")
     p.add_argument("--json", default=None, help="write every figure to this file")
@@ -290,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child)
         return 0
     conc = [int(x) for x in args.concurrency.split(",")]
+    if args.tp > 1 and args.clock == "cpu":
+        # The engine core and workers run in other processes: this process's CPU time is not the engine's.
+        print("--tp > 1: the summary uses the wall clock (the engine runs in other processes)")
+        args.clock = "wall"
+    adaptive = ADAPTIVE_DRAFT_MODEL if args.drafter == "draft_model" else ADAPTIVE
     # One compute thread per engine (inherited by the calibration and every engine process): vLLM's
     # CPU worker otherwise binds one OpenMP thread per core, and on a machine shared with other work
     # those threads wait on each other at every barrier.
@@ -298,19 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     # (vLLM uses one anyway): spinning pool threads take the engine's core away from it at every step.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    from maskplug_vllm.demo import build_model
-
     with tempfile.TemporaryDirectory(prefix="maskplug-vllm-bench-") as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "model"
         model = str(
-            build_model(
+            tiny.build_model(
                 model_dir,
+                vocab_size=512,
                 hidden_size=args.hidden,
                 intermediate_size=3 * args.hidden,
                 num_layers=args.layers,
-                num_heads=args.hidden // 64,
             )
         )
+        draft = str(tiny.build_draft(Path(tmp) / "draft", model, num_layers=1))
         t0 = time.perf_counter()
         if args.cost:
             cost_path = Path(args.cost)
@@ -318,7 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cost_path = Path(tmp) / "cost.json"
             cost = _calibrate(model, cost_path, conc, args.clock)
-        print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab 512, dummy weights (fp32)")
+        print(
+            f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab 512, dummy weights (fp32); "
+            f"drafter {args.drafter}; workload {args.workload}; tensor_parallel_size {args.tp}; clock {args.clock}"
+        )
         print(f"load average at the start: {_load()}", flush=True)
         print("verify cost (ms) by tokens per step: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in cost["verify"]))
         common = {
@@ -328,15 +372,24 @@ def main(argv: list[str] | None = None) -> int:
             "min_requests": args.min_requests,
             "max_tokens": args.max_tokens,
             "cost": str(cost_path),
+            "workload": args.workload,
+            "drafter": args.drafter,
+            "draft": draft,
+            "tp": args.tp,
         }
         results: list[dict[str, Any]] = []
         for rnd in range(args.rounds):
             print(f"round {rnd + 1} of {args.rounds}", flush=True)
             for label, spec in BASELINES.items():
                 results += _run_child({**common, "label": label, "spec": spec, "schedulers": []})
-            results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": ADAPTIVE})
+            if args.tp > 1:
+                # The engine core is another process: one engine per scheduler, set by its environment.
+                for a in adaptive:
+                    results += _run_child({**common, "label": a, "spec": MAX_SPEC, "schedulers": [a]})
+            else:
+                results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": adaptive})
         elapsed = time.perf_counter() - t0
-    configs = [*BASELINES, *ADAPTIVE]
+    configs = [*BASELINES, *adaptive]
     rate, step = ("tokens_per_cpu_s", "mean_step_cpu_ms") if args.clock == "cpu" else ("tokens_per_s", "mean_step_ms")
     # Interference from other work on the machine only ever slows a run: keep each cell's fastest round.
     table: dict[tuple[str, int], dict[str, Any]] = {}
@@ -358,11 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     for c in conc:
         best = max(BASELINES, key=lambda b: table[b, c][rate])
         row = {"concurrency": c, "clock": args.clock, "best_baseline": best, "best_tokens_per_s": table[best, c][rate]}
-        for a in ADAPTIVE:
+        for a in adaptive:
             row[a] = table[a, c][rate] / table[best, c][rate]
         summary.append(row)
-        print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in ADAPTIVE))
-    for cfg in ADAPTIVE:
+        print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in adaptive))
+    for cfg in adaptive:
         for c in conc:
             s = table[cfg, c]["stats"]
             print(

@@ -154,23 +154,29 @@ def structured_workload(n: int, seed: int) -> list[dict[str, Any]]:
     return reqs
 
 
+MIXED_ANSWERS = 8
+"""Distinct answers of the mixed workload's ``copy`` requests (so a warm-up compiles every grammar)."""
+
+
 def mixed_workload(n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` requests in turn: drafts mostly accepted, drafts mostly rejected.
 
-    * ``copy``: a regex whose only match is a fixed string of words that the
-      prompt spells out three times: the n-gram drafter proposes its
-      continuation from the prompt and the grammar forces exactly those
-      tokens, so nearly every draft is accepted.
+    * ``copy``: a regex whose only match is a fixed string of words (one of
+      :data:`MIXED_ANSWERS`) that the prompt spells out three times: the
+      n-gram drafter proposes its continuation from the prompt and the
+      grammar forces exactly those tokens, so nearly every draft is accepted.
     * ``free``: unconstrained text after a prompt of digits: the drafter
       matches the model's own tokens against the prompt now and then and
       proposes digits the random model does not pick, so drafts mostly fail.
     """
-    rng = random.Random(seed)
     words = ["alice", "bob", "name", "true", "false", "null", "yes", "no", "maybe", "id", "tags"]
+    fixed = random.Random(0)
+    answers = [" ".join(fixed.choice(words) for _ in range(12)) + f" {j}" for j in range(MIXED_ANSWERS)]
+    rng = random.Random(seed)
     reqs: list[dict[str, Any]] = []
     for i in range(n):
         if i % 2 == 0:
-            answer = " ".join(rng.choice(words) for _ in range(12)) + f" {i}"
+            answer = answers[rng.randrange(MIXED_ANSWERS)]
             prompt = f"copy {i}: {answer}. again: {answer}. again: {answer}. once more: "
             reqs.append({"kind": "regex", "regex": _literal(answer), "prompt": prompt})
         else:
