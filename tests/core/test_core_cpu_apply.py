@@ -34,14 +34,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def chunk_elems(n: int) -> Iterator[None]:
-    """Run the CPU path with blocks of at most ``n`` logits."""
-    saved = torch_backend._CHUNK_ELEMS
+def chunk_elems(n: int, block_words: int | None = None) -> Iterator[None]:
+    """Run the CPU path with blocks of at most ``n`` logits (and wide rows classified by ``block_words`` words)."""
+    saved = torch_backend._CHUNK_ELEMS, torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS
     torch_backend._CHUNK_ELEMS = n
+    if block_words is not None:
+        # Blocks small enough for the drawn widths: whole-word runs of nothing / everything are skipped.
+        torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS = block_words, 1
     try:
         yield
     finally:
-        torch_backend._CHUNK_ELEMS = saved
+        torch_backend._CHUNK_ELEMS, torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS = saved
 
 
 @st.composite
@@ -76,6 +79,10 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         words = (width + 31) // 32 + draw(st.integers(0, 1))
     bm = rng.integers(-(2**31), 2**31, size=(nrows, words), dtype=np.int64).astype(np.int32)
     bm[rng.random(nrows) < 0.2] = -1
+    # Grammar-like rows: mostly whole words of nothing allowed, some of everything, a few mixed.
+    grammar_like = rng.random(nrows) < 0.4
+    kind = rng.random((int(grammar_like.sum()), words))
+    bm[grammar_like] = np.where(kind < 0.6, 0, np.where(kind < 0.8, -1, bm[grammar_like]))
     dtype = draw(st.sampled_from(DTYPES))
     pad = draw(st.sampled_from([0, 3, 40]))
     raw = rng.integers(np.iinfo(np.int16).min, np.iinfo(np.int16).max, size=(int(cu[-1]) + 1, width + pad))
@@ -96,6 +103,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "tail": draw(st.sampled_from(["mask", "keep"])),
         "chunk": draw(st.sampled_from([8, 16, 24, 40, 64, 96, 200, 1 << 16])),
+        "block_words": draw(st.sampled_from([None, 1, 2])),
     }
 
 
@@ -107,7 +115,7 @@ def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     )
     base = case["wide"]
     before = base.clone()
-    with chunk_elems(case["chunk"]):
+    with chunk_elems(case["chunk"], case["block_words"]):
         mp.apply_grammar_bitmask(
             case["logits"],
             case["bitmask"],
