@@ -17,12 +17,11 @@ from pathlib import Path
 
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
+    import maskplug_vllm
     from openai_server import NGRAM
     from test_server import workload
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
-
-    import maskplug_vllm
 
     llm = LLM(
         model=model,
