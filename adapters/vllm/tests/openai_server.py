@@ -64,8 +64,15 @@ def server_args(
     max_num_seqs: int = 16,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The server's command line (module form, as users run the CPU build)."""
+    """The server's command line (module form, as users run the CPU build), under ``timeout``.
+
+    ``timeout`` ends the server after :data:`LIFETIME_S` even when the process that started it is
+    gone (a test runner killed mid-test cannot stop what it started).
+    """
     args = [
+        "timeout",
+        "--kill-after=15",
+        str(int(LIFETIME_S)),
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
