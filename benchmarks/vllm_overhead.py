@@ -143,6 +143,22 @@ def serve(cfg: dict[str, Any]) -> None:
 # -- the driver -----------------------------------------------------------------------------------
 
 
+def _mode_env(mode: str) -> dict[str, str]:
+    """A mode's environment; ``<mode>@<tree>`` runs it on another source tree of maskplug (an A/B of two versions).
+
+    The other tree replaces this one in every ``PYTHONPATH`` entry (the
+    packages of a source checkout are found through ``PYTHONPATH``).
+    """
+    name, _, tree = mode.partition("@")
+    env = tiny.child_env(MODES[name])
+    if tree:
+        here = str(Path(__file__).resolve().parents[1])
+        other = str(Path(tree).resolve())
+        parts = env.get("PYTHONPATH", "").split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(other + q[len(here) :] if q.startswith(here) else q for q in parts)
+    return env
+
+
 def _ratio_table(
     rows: list[dict[str, Any]], modes: list[str], conc: list[int], rate: str
 ) -> dict[int, dict[str, list[float]]]:
@@ -162,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=3, help="n-gram drafts per step (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--modes", default=",".join(MODES), help="engines, the first is the reference")
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help="engines, the first is the reference; MODE@TREE runs MODE on another maskplug source tree",
+    )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--profile", type=int, default=2, help="rounds with per-function timers after the others")
     p.add_argument("--json", default=None)
@@ -187,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
         print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
         t0 = time.perf_counter()
-        engines = {
-            m: tiny.EngineProcess(__file__, m, cfg, tiny.child_env(MODES[m]), Path(tmp) / f"{m}.log") for m in modes
-        }
+        engines = {m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"{m}.log") for m in modes}
         print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
         rows: list[dict[str, Any]] = []
         mismatches: list[str] = []
