@@ -1,7 +1,7 @@
 """The process-wide thread pool for grammar work (draft filling, tree walks and providers' chain operations).
 
 One pool serves every caller, whatever the number of workers each asks for:
-its threads (named ``maskplug-grammar-N``) are started only as concurrent
+its threads (named ``maskplug-grammar_N``) are started only as concurrent
 work needs them and never exceed :data:`MAX_THREADS`, so a process that
 varies batch sizes and ``threads`` settings from step to step keeps a
 bounded, reused set of threads instead of one pool per size.
