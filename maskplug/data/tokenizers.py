@@ -62,6 +62,11 @@ def _tekken() -> Tokenizer:
     vocab = mistral_tekken()
     enc = mistral_tekken_encoding()
     offset = int(enc.maskplug_offset)
+    # The encoder and the vocabulary must be one tokenizer: every rank lands on its own id.
+    if offset + enc.n_vocab != vocab.vocab_size:
+        raise GrammarError(
+            f"tokenizer: tekken's encoder spans {offset} + {enc.n_vocab} ids, its vocabulary {vocab.vocab_size}"
+        )
 
     def encode(text: str) -> list[int]:
         return [r + offset for r in enc.encode(text, disallowed_special=())]
@@ -75,10 +80,20 @@ def _spm() -> Tokenizer:
     from ..grammar.vocabs import mistral_data_dir, mistral_sentencepiece
 
     vocab = mistral_sentencepiece()
-    sp = spm.SentencePieceProcessor(model_file=str(mistral_data_dir() / _SPM_FILE))
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(mistral_data_dir() / _SPM_FILE))
+    except (OSError, RuntimeError) as exc:
+        raise GrammarError(f"tokenizer: sentencepiece could not read {_SPM_FILE}: {exc}") from exc
     tokens = vocab.tokens
+    if sp.get_piece_size() != len(tokens):
+        raise GrammarError(
+            f"tokenizer: sentencepiece reads {sp.get_piece_size()} pieces from {_SPM_FILE}, maskplug {len(tokens)}"
+        )
     # Byte-fallback pieces spell any text one byte at a time.
     single = {tokens[i]: i for i in range(len(tokens)) if i not in vocab.special_ids and len(tokens[i]) == 1}
+    if len(single) < 256:
+        missing = sorted(set(range(256)) - {t[0] for t in single})
+        raise GrammarError(f"tokenizer: {_SPM_FILE} has no single-byte piece for bytes {missing[:8]}")
 
     def encode(text: str) -> list[int]:
         ids = [int(t) for t in sp.encode(text)]
@@ -92,11 +107,14 @@ def _spm() -> Tokenizer:
     return Tokenizer("spm", vocab, encode)
 
 
-@cache
 def load_tokenizer(name: str) -> Tokenizer:
     """Load ``"tekken"`` (131,072 tokens) or ``"spm"`` (32,000 tokens); cached per process."""
-    if name == "tekken":
-        return _tekken()
-    if name == "spm":
-        return _spm()
-    raise GrammarError(f"tokenizer: expected one of {TOKENIZERS}, got {name!r}")
+    # Checked before the cache, which would raise TypeError for an unhashable name.
+    if not isinstance(name, str) or name not in TOKENIZERS:
+        raise GrammarError(f"tokenizer: expected one of {TOKENIZERS}, got {name!r}")
+    return _load(name)
+
+
+@cache
+def _load(name: str) -> Tokenizer:
+    return _tekken() if name == "tekken" else _spm()

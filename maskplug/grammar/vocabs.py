@@ -99,6 +99,36 @@ def _unicode_to_byte() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}
 
 
+#: The most ids a loaded vocabulary may span (a bad id in a file would otherwise allocate billions).
+MAX_VOCAB_IDS = 1 << 24
+
+
+def _int_id(value: Any, arg: str) -> int:
+    """``value`` as a token id: an int >= 0 (not a bool, a float or a string), :class:`GrammarError` naming ``arg``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise GrammarError(f"{arg}: expected an int token id, got {value!r}")
+    value = int(value)
+    if value < 0:
+        raise GrammarError(f"{arg}: expected a token id >= 0, got {value}")
+    if value >= MAX_VOCAB_IDS:
+        raise GrammarError(f"{arg}: expected a token id below {MAX_VOCAB_IDS}, got {value}")
+    return value
+
+
+def _int_field(value: Any, arg: str, low: int = 0) -> int:
+    """A whole-number field of a tokenizer file (not a bool, a float or a string), at least ``low``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < low:
+        raise GrammarError(f"{arg}: expected an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def _id_list(ids: Any, arg: str) -> list[int]:
+    """Stop-token ids as given (an iterable of ints, not a str), each checked by :func:`_int_id`."""
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+        raise GrammarError(f"{arg}: expected an iterable of int token ids, got {type(ids).__name__}")
+    return [_int_id(e, f"{arg}[{i}]") for i, e in enumerate(ids)]
+
+
 def _read_json(path: PathLike, arg: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -346,30 +376,68 @@ def load_tokenizer_json(
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise GrammarError(f"path: expected a tokenizer.json with a 'model' object, got {os.fspath(path)!r}")
     model = data["model"]
+    where = os.fspath(path)
     mtype = model.get("type")
     raw = model.get("vocab")
     entries: list[tuple[str, int]]
     if isinstance(raw, dict) and mtype in (None, "BPE", "WordLevel"):
-        entries = [(str(k), int(v)) for k, v in raw.items()]
+        entries = [(k, _int_id(v, f"path: model.vocab[{k!r}]")) for k, v in raw.items()]
     elif isinstance(raw, list) and mtype == "Unigram":
-        entries = [(str(item[0]), i) for i, item in enumerate(raw)]
+        entries = []
+        for i, item in enumerate(raw):
+            if not isinstance(item, list) or not item or not isinstance(item[0], str):
+                raise GrammarError(f"path: model.vocab[{i}] of {where!r}: expected [piece, score], got {item!r}")
+            entries.append((item[0], i))
     else:
-        raise GrammarError(
-            f"path: expected a BPE, WordLevel or Unigram model in {os.fspath(path)!r}, got model type {mtype!r}"
-        )
-    added = [a for a in data.get("added_tokens") or [] if isinstance(a, dict)]
-    size = max([i for _, i in entries] + [int(a["id"]) for a in added] + [-1]) + 1
+        raise GrammarError(f"path: expected a BPE, WordLevel or Unigram model in {where!r}, got model type {mtype!r}")
+    if not entries:
+        raise GrammarError(f"path: expected a tokenizer.json with tokens, got an empty model.vocab in {where!r}")
+    added_raw = data.get("added_tokens")
+    if added_raw is None:
+        added_raw = []
+    if not isinstance(added_raw, list):
+        raise GrammarError(f"path: added_tokens of {where!r}: expected a list, got {type(added_raw).__name__}")
+    added: list[tuple[int, str, bool]] = []
+    for k, a in enumerate(added_raw):
+        if not isinstance(a, dict) or not isinstance(a.get("content"), str):
+            raise GrammarError(f"path: added_tokens[{k}] of {where!r}: expected an object with 'id' and 'content'")
+        sp = a.get("special", False)
+        if not isinstance(sp, bool):
+            raise GrammarError(f"path: added_tokens[{k}].special of {where!r}: expected a bool, got {sp!r}")
+        added.append((_int_id(a.get("id"), f"path: added_tokens[{k}].id"), a["content"], sp))
+    size = max([i for _, i in entries] + [i for i, _, _ in added]) + 1
+    if (
+        vocab_size is not None
+        and not isinstance(vocab_size, bool)
+        and isinstance(vocab_size, int)
+        and size > vocab_size
+    ):
+        raise GrammarError(f"vocab_size: expected >= the {size} ids of {where!r}, got {vocab_size}")
     decode = _token_decoder(data)
     tokens: list[bytes | None] = [None] * size
+    pieces: dict[int, str] = {}
     for piece, i in entries:
+        if i in pieces:
+            raise GrammarError(f"path: model.vocab of {where!r} gives id {i} to both {pieces[i]!r} and {piece!r}")
+        pieces[i] = piece
         tokens[i] = decode(piece)
     special: set[int] = set()
     by_text: dict[str, int] = {}
-    for a in added:
-        i, text = int(a["id"]), str(a["content"])
+    added_at: dict[int, str] = {}
+    for i, text, is_special in added:
+        # An added token may restate a vocabulary entry (the same text at the same id), never replace one.
+        if i in pieces and pieces[i] != text:
+            raise GrammarError(
+                f"path: added token {text!r} of {where!r} takes id {i} of the vocabulary's {pieces[i]!r}"
+            )
+        if i in added_at and added_at[i] != text:
+            raise GrammarError(f"path: added_tokens of {where!r} give id {i} to both {added_at[i]!r} and {text!r}")
+        if text in by_text and by_text[text] != i:
+            raise GrammarError(f"path: added token {text!r} of {where!r} has two ids, {by_text[text]} and {i}")
+        added_at[i] = text
         tokens[i] = text.encode("utf-8")
         by_text[text] = i
-        if a.get("special", False):
+        if is_special:
             special.add(i)
     if eos_tokens is None:
         found = [by_text[n] for n in _EOS_NAMES if n in by_text and by_text[n] in special]
@@ -380,6 +448,8 @@ def load_tokenizer_json(
             )
         eos_ids = found[:1]
     else:
+        if isinstance(eos_tokens, (str, bytes)) or not all(isinstance(t, str) for t in eos_tokens):
+            raise GrammarError(f"eos_tokens: expected a list of token texts, got {eos_tokens!r}")
         missing = [t for t in eos_tokens if t not in by_text]
         if missing:
             raise GrammarError(f"eos_tokens: expected added tokens of {os.fspath(path)!r}, got unknown {missing}")
@@ -396,27 +466,44 @@ def load_tokenizer_json(
 def _ranks_to_list(ranks: Any) -> list[bytes]:
     """Token bytes ordered by rank, from a {bytes: rank} mapping or tekken vocab entries."""
     if isinstance(ranks, Mapping):
-        items = sorted((int(r), bytes(b)) for b, r in ranks.items())
+        for b in ranks:
+            if not isinstance(b, bytes):
+                raise GrammarError(f"ranks: expected bytes keys (token bytes), got {b!r}")
+        items = sorted((_int_field(r, f"ranks[{b!r}]"), b) for b, r in ranks.items())
         out = [b for _, b in items]
         ranks_seen = [r for r, _ in items]
-    elif isinstance(ranks, Iterable):
+    elif isinstance(ranks, Iterable) and not isinstance(ranks, (str, bytes)):
         entries = list(ranks)
-        try:
-            items = sorted((int(e["rank"]), base64.b64decode(e["token_bytes"])) for e in entries)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise GrammarError(
-                "ranks: expected a {bytes: rank} mapping or entries with 'rank' and base64 'token_bytes', "
-                f"got an entry that is neither ({exc})"
-            ) from exc
+        decoded = []
+        for k, e in enumerate(entries):
+            try:
+                tb = e["token_bytes"]
+                if not isinstance(tb, str):
+                    raise TypeError(f"token_bytes is {type(tb).__name__}, not base64 text")
+                decoded.append((_int_field(e["rank"], f"ranks[{k}].rank"), base64.b64decode(tb, validate=True)))
+            except (KeyError, TypeError, ValueError) as exc:
+                raise GrammarError(
+                    "ranks: expected a {bytes: rank} mapping or entries with 'rank' and base64 'token_bytes', "
+                    f"got entry {k} that is neither ({exc})"
+                ) from exc
+        items = sorted(decoded)
         out = [b for _, b in items]
         ranks_seen = [r for r, _ in items]
     else:
         raise GrammarError(f"ranks: expected a mapping or a list of entries, got {type(ranks).__name__}")
+    if not out:
+        raise GrammarError("ranks: expected at least one token, got none")
     if ranks_seen != list(range(len(ranks_seen))):
         bad = next(i for i, r in enumerate(ranks_seen) if r != i)
         raise GrammarError(
             f"ranks: expected ranks 0..{len(ranks_seen) - 1} without gaps, got {ranks_seen[bad]} at {bad}"
         )
+    if len(set(out)) != len(out):
+        seen: dict[bytes, int] = {}
+        for r, b in enumerate(out):
+            if b in seen:
+                raise GrammarError(f"ranks: token bytes {b!r} have two ranks, {seen[b]} and {r}")
+            seen[b] = r
     return out
 
 
@@ -453,12 +540,21 @@ def load_tiktoken(
             a bare byte table.
         name: what the encoder is called (``tiktoken:<name>``).
     """
-    names = [str(s["token_str"]) if isinstance(s, Mapping) else str(s) for s in special_tokens]
-    nspec = len(names) if num_special_tokens is None else int(num_special_tokens)
+    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
+        raise GrammarError(f"special_tokens: expected a list of token texts, got {type(special_tokens).__name__}")
+    names = []
+    for k, sp in enumerate(special_tokens):
+        text = sp.get("token_str") if isinstance(sp, Mapping) else sp
+        if not isinstance(text, str):
+            raise GrammarError(f"special_tokens[{k}]: expected a token text (or an entry with token_str), got {sp!r}")
+        names.append(text)
+    nspec = len(names) if num_special_tokens is None else _int_field(num_special_tokens, "num_special_tokens")
     if nspec < len(names):
         raise GrammarError(f"num_special_tokens: expected >= len(special_tokens) = {len(names)}, got {nspec}")
     names += [f"<SPECIAL_{i}>" for i in range(len(names), nspec)]
     inner = _ranks_to_list(ranks)
+    if vocab_size is not None:
+        vocab_size = _int_field(vocab_size, "vocab_size", 1)
     if vocab_size is not None and vocab_size < nspec:
         raise GrammarError(f"vocab_size: expected >= num_special_tokens = {nspec}, got {vocab_size}")
     if vocab_size is not None:
@@ -470,7 +566,7 @@ def load_tiktoken(
             raise GrammarError("eos_ids: no '</s>' among the special tokens; expected eos_ids=..., got none")
         eos = [names.index("</s>")]
     else:
-        eos = [int(e) for e in eos_ids]
+        eos = _id_list(eos_ids, "eos_ids")
     encoder = None
     if pattern is not None and _have("tiktoken"):
         encoder = TiktokenEncoder({b: r for r, b in enumerate(inner)}, pattern, nspec, name)
@@ -480,22 +576,32 @@ def load_tiktoken(
 def load_tekken_json(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
     """Load a Mistral tekken JSON file (``config`` + ``vocab`` [+ ``special_tokens``])."""
     data = _read_json(path, "path")
+    where = os.fspath(path)
     try:
         cfg = data["config"]
         entries = data["vocab"]
-        nspec = int(cfg["default_num_special_tokens"])
-        default_size = int(cfg["default_vocab_size"])
+        nspec = _int_field(cfg["default_num_special_tokens"], "path: config.default_num_special_tokens")
+        default_size = _int_field(cfg["default_vocab_size"], "path: config.default_vocab_size", 1)
     except (KeyError, TypeError) as exc:
+        raise GrammarError(f"path: expected a tekken file with config and vocab, got {where!r}: {exc}") from exc
+    if not isinstance(entries, list):
+        raise GrammarError(f"path: vocab of {where!r}: expected a list of entries, got {type(entries).__name__}")
+    # A file with fewer ranks than its config promises is cut short: loaded, it would be another vocabulary.
+    if len(entries) < default_size - nspec:
         raise GrammarError(
-            f"path: expected a tekken file with config and vocab, got {os.fspath(path)!r}: {exc}"
-        ) from exc
+            f"path: {where!r} holds {len(entries)} ranks, expected at least default_vocab_size - "
+            f"default_num_special_tokens = {default_size - nspec} (a truncated file?)"
+        )
+    pattern = cfg.get("pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        raise GrammarError(f"path: config.pattern of {where!r}: expected a regex str, got {pattern!r}")
     specials = data.get("special_tokens") or list(MISTRAL_SPECIAL_TOKENS)
     return load_tiktoken(
         entries,
         specials,
         num_special_tokens=nspec,
         vocab_size=default_size if vocab_size is None else vocab_size,
-        pattern=cfg.get("pattern"),
+        pattern=pattern,
         name=Path(path).name,
     )
 
@@ -506,6 +612,7 @@ def load_tekken_json(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
 
 # SentencePiece piece types (sentencepiece_model.proto).
 _SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
+_SP_TYPES = frozenset({_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE})
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -513,12 +620,23 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     while True:
         if pos >= len(buf):
             raise GrammarError("path: truncated SentencePiece model (varint runs past the end)")
+        if shift > 63:
+            raise GrammarError("path: garbled SentencePiece model (a varint longer than 10 bytes)")
         b = buf[pos]
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
             return result, pos
         shift += 7
+
+
+def _take(buf: bytes, pos: int, n: int) -> tuple[bytes, int]:
+    """``n`` bytes at ``pos``; a field running past the end is a truncated model, never a shorter field."""
+    if pos + n > len(buf):
+        raise GrammarError(
+            f"path: truncated SentencePiece model (a field of {n} bytes at offset {pos} runs past the end, {len(buf)})"
+        )
+    return buf[pos : pos + n], pos + n
 
 
 def _fields(buf: bytes) -> Iterable[tuple[int, int, Any]]:
@@ -528,34 +646,51 @@ def _fields(buf: bytes) -> Iterable[tuple[int, int, Any]]:
         key, pos = _varint(buf, pos)
         num, wire = key >> 3, key & 7
         val: Any
+        if num == 0:
+            raise GrammarError("path: garbled SentencePiece model (protobuf field number 0)")
         if wire == 0:
             val, pos = _varint(buf, pos)
         elif wire == 1:
-            val, pos = buf[pos : pos + 8], pos + 8
+            val, pos = _take(buf, pos, 8)
         elif wire == 2:
             n, pos = _varint(buf, pos)
-            val, pos = buf[pos : pos + n], pos + n
+            val, pos = _take(buf, pos, n)
         elif wire == 5:
-            val, pos = buf[pos : pos + 4], pos + 4
+            val, pos = _take(buf, pos, 4)
         else:
             raise GrammarError(f"path: unsupported protobuf wire type {wire} in SentencePiece model")
         yield num, wire, val
 
 
-def _sentencepiece_pieces(data: bytes) -> list[tuple[str, int]]:
+def _sentencepiece_pieces(data: bytes) -> tuple[list[tuple[str, int]], int | None]:
+    """The pieces (text, type) of a model, and the vocabulary size its trainer spec records (None: no spec)."""
     pieces: list[tuple[str, int]] = []
+    declared: int | None = None
     for num, wire, val in _fields(data):
+        if num == 2 and wire == 2:  # trainer_spec: field 4 is the vocabulary size it was trained to
+            for tnum, twire, tval in _fields(val):
+                if tnum == 4 and twire == 0:
+                    declared = int(tval)
+            continue
         if num != 1 or wire != 2:
             continue
-        piece, ptype = "", _SP_NORMAL
+        piece: str | None = None
+        ptype = _SP_NORMAL
         for pnum, pwire, pval in _fields(val):
             if pnum == 1 and pwire == 2:
-                piece = pval.decode("utf-8")
+                try:
+                    piece = pval.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise GrammarError(f"path: piece {len(pieces)} is not UTF-8 ({exc}): a garbled model?") from None
             elif pnum == 3 and pwire == 0:
                 ptype = int(pval)
             # field 2 (the score) is irrelevant to decoding
+        if not piece:
+            raise GrammarError(f"path: piece {len(pieces)} has no text: a garbled model?")
+        if ptype not in _SP_TYPES:
+            raise GrammarError(f"path: piece {len(pieces)} ({piece!r}) has unknown type {ptype}: a garbled model?")
         pieces.append((piece, ptype))
-    return pieces
+    return pieces, declared
 
 
 def load_sentencepiece(path: PathLike, *, vocab_size: int | None = None) -> Vocab:
@@ -570,17 +705,32 @@ def load_sentencepiece(path: PathLike, *, vocab_size: int | None = None) -> Voca
         data = Path(path).read_bytes()
     except OSError as exc:
         raise GrammarError(f"path: expected a readable SentencePiece model, got {os.fspath(path)!r}: {exc}") from exc
-    pieces = _sentencepiece_pieces(data)
+    pieces, declared = _sentencepiece_pieces(data)
+    where = os.fspath(path)
     if not pieces:
-        raise GrammarError(f"path: expected a SentencePiece model with pieces, got none in {os.fspath(path)!r}")
+        raise GrammarError(f"path: expected a SentencePiece model with pieces, got none in {where!r}")
+    # The pieces come first in the file, the trainer spec after them: a model cut short between two
+    # pieces parses, but has lost its trainer spec, or records more pieces than it holds.
+    if declared is None:
+        raise GrammarError(
+            f"path: {where!r} has {len(pieces)} pieces but no trainer spec after them (a truncated model?)"
+        )
+    if declared != len(pieces):
+        raise GrammarError(f"path: {where!r} holds {len(pieces)} pieces, its trainer spec says {declared}")
     tokens: list[bytes | None] = []
     special: set[int] = set()
     eos: list[int] = []
+    byte_ids: dict[int, int] = {}
     for i, (piece, ptype) in enumerate(pieces):
         if ptype == _SP_BYTE:
             m = _BYTE_PIECE.match(piece)
             if not m:
                 raise GrammarError(f"path: byte piece {i} is {piece!r}, expected the form <0xHH>")
+            if int(m.group(1), 16) in byte_ids:
+                raise GrammarError(
+                    f"path: byte piece {i} ({piece!r}) repeats byte piece {byte_ids[int(m.group(1), 16)]}"
+                )
+            byte_ids[int(m.group(1), 16)] = i
             tokens.append(bytes([int(m.group(1), 16)]))
         elif ptype in (_SP_NORMAL, _SP_USER_DEFINED):
             tokens.append(piece.replace("▁", " ").encode("utf-8"))
@@ -644,7 +794,9 @@ def mistral_tekken_encoding(name: str = "tekken_240911.json") -> Any:
         import tiktoken
     except ImportError as exc:
         raise GrammarError("tiktoken: expected the tiktoken package to encode with tekken, got none installed") from exc
-    data = _read_json(_data_file(name), "name")
+    path = _data_file(name)
+    mistral_tekken(name)  # the vocabulary's checks (cached): a bad file is refused by name, never half read
+    data = _read_json(path, "name")
     cfg = data["config"]
     nspec = int(cfg["default_num_special_tokens"])
     inner = int(cfg["default_vocab_size"]) - nspec
@@ -657,20 +809,23 @@ def mistral_tekken_encoding(name: str = "tekken_240911.json") -> Any:
 def _stop_ids(tokenizer: Any, eos_token_ids: Iterable[int] | None) -> list[int]:
     """The model's stop tokens when given, else the tokenizer's ``eos_token_id`` (an int or a list)."""
     if eos_token_ids is not None:
-        ids = sorted({int(e) for e in eos_token_ids})
+        ids = sorted(set(_id_list(eos_token_ids, "eos_token_ids")))
         if ids:
             return ids
     eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        return [eos]
+    if hasattr(eos, "__index__") and not isinstance(eos, bool):
+        return [_int_id(eos, "tokenizer.eos_token_id")]
     if isinstance(eos, (list, tuple)) and eos:
-        return sorted({int(e) for e in eos})
+        return sorted(set(_id_list(eos, "tokenizer.eos_token_id")))
     raise GrammarError("eos_token_ids: expected the model's stop tokens or a tokenizer with eos_token_id, got neither")
 
 
 def _fit(base: Vocab, eos_ids: list[int], vocab_size: int | None) -> Vocab:
     """``base`` with the model's stop tokens and logits width (tokens past the width can never be produced)."""
-    size = base.vocab_size if vocab_size is None else int(vocab_size)
+    size = base.vocab_size if vocab_size is None else vocab_size
+    if isinstance(size, bool) or not hasattr(size, "__index__"):
+        raise GrammarError(f"vocab_size: expected an int logits width, got {size!r}")
+    size = int(size)
     if size <= 0:
         raise GrammarError(f"vocab_size: expected a positive logits width, got {size}")
     tokens = base.tokens[:size]
