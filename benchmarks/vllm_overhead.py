@@ -207,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
         print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
         t0 = time.perf_counter()
-        engines = {m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"{m}.log") for m in modes}
+        engines = {
+            m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"engine-{i}.log")
+            for i, m in enumerate(modes)
+        }
         print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
         rows: list[dict[str, Any]] = []
         mismatches: list[str] = []
