@@ -6,8 +6,8 @@ and the model runner behind ``MultiprocExecutor``) on 127.0.0.1 with the tiny
 dummy-weight model, sends a mixed batch of JSON-schema, regex and free-text
 requests concurrently with the ``openai`` client, greedy, and compares:
 
-* every output token for token with a server without speculation (and without
-  maskplug) at the same tensor-parallel size (TP changes float sums, so TP 2
+* every output token for token with a server without speculation (maskplug
+  serving the same grammars) at the same tensor-parallel size (TP changes float sums, so TP 2
   is compared with TP 2);
 * every finished structured output against its schema or regex;
 * maskplug's ``maskplug_*`` series on ``/metrics`` with vLLM's own
@@ -72,10 +72,14 @@ def run_server(
     tp: int = 1,
     cost: Path | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """One server's outputs for :func:`workload` and its ``/metrics`` afterwards (``scheduler=None``: no maskplug)."""
-    env: dict[str, str] = {}
+    """One server's outputs for :func:`workload` and its ``/metrics`` afterwards.
+
+    maskplug serves the grammars in every server (the same grammars, whitespace bound included, with and
+    without speculation); ``scheduler=None`` leaves verification to vLLM.
+    """
+    env = {"MASKPLUG_VLLM": "1"}
     if scheduler is not None:
-        env = {"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": scheduler}
+        env["MASKPLUG_VLLM_SCHEDULER"] = scheduler
         if cost is not None:
             env["MASKPLUG_VLLM_COST"] = str(cost)
     port = free_port()
