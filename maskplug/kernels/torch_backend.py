@@ -41,8 +41,6 @@ __all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
 
 _CHUNK_ELEMS = 1 << 16  # logits per CPU block: 256 KB of int32 keep-mask, it and its logits stay in L2
 _NP_INT: dict[torch.dtype, type[np.signedinteger[Any]]] = {torch.int32: np.int32, torch.int16: np.int16}
-_BLOCK_WORDS = 32  # mask words per block a wide row is classified by: 1,024 columns
-_MIN_BLOCKS = 8  # rows with fewer whole blocks go straight through the keep-mask
 FEW_ROWS = 16
 """Up to this many mask rows, the CPU path finds live rows in Python and masks them one by one."""
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
@@ -94,13 +92,7 @@ def _apply_rows_cpu(
     if width == 0 or dst.size == 0:
         return
     group = max(1, _CHUNK_ELEMS // width)
-    if group == 1:
-        # Wide rows: one at a time, by blocks of the mask (_apply_row_cpu).
-        keep = np.empty(min(width, max(32, _CHUNK_ELEMS // 32 * 32)), dtype=itype)
-        for d, s in zip(dst.tolist(), src.tolist(), strict=True):
-            _apply_row_cpu(xi[d], words[s], vocab_size, mask_tail, ninf, keep)
-        return
-    cols = width
+    cols = width if group > 1 else max(8, _CHUNK_ELEMS // 8 * 8)
     keep_buf = np.empty(group * min(cols, width), dtype=itype)
     tail_fill = 0 if mask_tail else -1
     for s in range(0, dst.size, group):
@@ -138,7 +130,7 @@ def _apply_rows_cpu(
                 xi[d, c0:c1] = rows
 
 
-def _dense_row(
+def _apply_row_cpu(
     x: npt.NDArray[Any],
     words: npt.NDArray[np.int32],
     vocab_size: int,
@@ -149,7 +141,6 @@ def _dense_row(
     """Mask one logits row ``x`` (an integer view) with one mask row ``words``, ``len(keep)`` columns at a time.
 
     ``len(keep)`` is a multiple of 32, so every block starts on a mask word.
-    Every column goes through the keep-mask: three passes over the logits.
     """
     width = x.shape[0]
     step = keep.shape[0]
@@ -171,44 +162,6 @@ def _dense_row(
         np.bitwise_xor(r, ninf, out=r)
         np.bitwise_and(r, k, out=r)
         np.bitwise_xor(r, ninf, out=r)
-
-
-def _apply_row_cpu(
-    x: npt.NDArray[Any],
-    words: npt.NDArray[np.int32],
-    vocab_size: int,
-    mask_tail: bool,
-    ninf: np.signedinteger[Any],
-    keep: npt.NDArray[Any],
-) -> None:
-    """Mask one logits row ``x`` (an integer view, column stride 1) with one mask row ``words``.
-
-    A grammar's mask is mostly whole words of nothing allowed (or, after a
-    free-text position, of everything): blocks of ``_BLOCK_WORDS`` words are
-    classified first; blocks allowing nothing are filled with ``-inf`` in one
-    write-only pass, blocks allowing everything are left alone, and only the
-    others (gathered, masked, written back) go through the keep-mask. When more
-    than half the blocks are mixed (random masks) the whole row does.
-    """
-    width = x.shape[0]
-    bw = _BLOCK_WORDS
-    bc = 32 * bw
-    nblk = min(vocab_size, width) // bc  # whole blocks the mask decides
-    start = 0
-    if nblk >= _MIN_BLOCKS:
-        wb = words[: nblk * bw].reshape(nblk, bw)
-        zero = ~wb.any(axis=1)
-        mixed = np.flatnonzero(~(zero | (wb == -1).all(axis=1)))
-        if 2 * mixed.size <= nblk:
-            xb = x[: nblk * bc].reshape(nblk, bc)
-            xb[zero] = ninf
-            if mixed.size:
-                sub = xb[mixed]  # a gathered copy, written back below
-                _dense_row(sub.reshape(-1), wb[mixed].reshape(-1), sub.size, False, ninf, keep)
-                xb[mixed] = sub
-            start = nblk * bc
-    if start < width:
-        _dense_row(x[start:], words[start // 32 :], vocab_size - start, mask_tail, ninf, keep)
 
 
 def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tuple[int, int]] | None:

@@ -34,17 +34,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def chunk_elems(n: int, block_words: int | None = None) -> Iterator[None]:
-    """Run the CPU path with blocks of at most ``n`` logits (and wide rows classified by ``block_words`` words)."""
-    saved = torch_backend._CHUNK_ELEMS, torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS
+def chunk_elems(n: int) -> Iterator[None]:
+    """Run the CPU path with blocks of at most ``n`` logits."""
+    saved = torch_backend._CHUNK_ELEMS
     torch_backend._CHUNK_ELEMS = n
-    if block_words is not None:
-        # Blocks small enough for the drawn widths: whole-word runs of nothing / everything are skipped.
-        torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS = block_words, 1
     try:
         yield
     finally:
-        torch_backend._CHUNK_ELEMS, torch_backend._BLOCK_WORDS, torch_backend._MIN_BLOCKS = saved
+        torch_backend._CHUNK_ELEMS = saved
 
 
 @st.composite
@@ -103,7 +100,6 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "vocab_size": vocab_size,
         "tail": draw(st.sampled_from(["mask", "keep"])),
         "chunk": draw(st.sampled_from([8, 16, 24, 40, 64, 96, 200, 1 << 16])),
-        "block_words": draw(st.sampled_from([None, 1, 2])),
     }
 
 
@@ -115,7 +111,7 @@ def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     )
     base = case["wide"]
     before = base.clone()
-    with chunk_elems(case["chunk"], case["block_words"]):
+    with chunk_elems(case["chunk"]):
         mp.apply_grammar_bitmask(
             case["logits"],
             case["bitmask"],
