@@ -149,9 +149,12 @@ def check_start(grammar: Any, spec: GrammarSpec, vocab: Vocab, provider: str = "
     admit nothing (llguidance for ``{"$ref": "#"}``, every engine for the
     regex ``[^\\s\\S]``, outlines-core for ``{"enum": []}``).
     """
+    make = getattr(grammar, "matcher", None)
+    if not callable(make):
+        return  # not a compiled grammar with matchers (a provider's own value type): nothing to fill
     bitmask = vocab.new_bitmask(1)
     try:
-        grammar.matcher().fill(bitmask, 0)
+        make().fill(bitmask, 0)
     except MaskplugError:
         raise
     except Exception as exc:  # the engine's own failure on its first row: the compile's error
