@@ -30,7 +30,10 @@ around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
 the structured-output manager's ``grammar_bitmask`` (the mask rows), the
 model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
 planning and outcome (``_Controller.plan`` / ``finish``), per engine step.
-``--json`` writes every figure.
+``--restart N`` starts fresh engine processes every N rounds: one engine
+process can run the same work about 30% slower than another for its whole
+life (seen here with no maskplug code running at all), so the medians
+should span several processes per engine. ``--json`` writes every figure.
 """
 
 from __future__ import annotations
@@ -185,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     p.add_argument("--profile", type=int, default=2, help="rounds with per-function timers after the others")
+    p.add_argument(
+        "--restart",
+        type=int,
+        default=0,
+        help="start fresh engine processes every this many rounds (0: never); the median then spans processes",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -207,15 +216,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
         print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
         t0 = time.perf_counter()
-        engines = {
-            m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"engine-{i}.log")
-            for i, m in enumerate(modes)
-        }
+
+        def start() -> dict[str, tiny.EngineProcess]:
+            return {
+                m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"engine-{i}.log")
+                for i, m in enumerate(modes)
+            }
+
+        engines = start()
         print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
         rows: list[dict[str, Any]] = []
         mismatches: list[str] = []
         try:
             for rnd in range(total_rounds):
+                if args.restart and rnd and rnd % args.restart == 0:
+                    # Fresh engine processes: one process can run the same work ~30% slower than
+                    # another for its whole life, a bias that more rounds on it never remove.
+                    for e in engines.values():
+                        e.close()
+                    engines = start()
                 profile = rnd >= args.rounds
                 for c in conc:
                     order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
