@@ -29,6 +29,7 @@ def main() -> None:
         load_format="dummy",
         dtype="float32",
         enforce_eager=True,
+        gpu_memory_utilization=0.3,
         seed=0,
         max_model_len=512,
         max_num_seqs=16,

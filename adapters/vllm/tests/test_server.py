@@ -233,7 +233,7 @@ def test_llm_with_vllm_defaults_is_lossless_and_counts(
         "llm_default_run.py",
         models[0],
         tmp_path / "out.json",
-        env={"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "goodput"},
+        env={"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "goodput", "VLLM_CPU_KVCACHE_SPACE": "1"},
         timeout=400,
     )
     tokens = [o["tokens"] for o in got["outputs"]]
