@@ -12,11 +12,16 @@ step, for every provider:
 * ``accept`` takes allowed tokens and refuses the others, leaving the state as
   it was;
 * maskplug's mask is bit-for-bit the raw engine's own mask (the wrapping adds
-  no difference of its own).
+  no difference of its own), stop ids aside for outlines-core: its index
+  carries maskplug's sentinel token under the first stop id, which maskplug
+  turns into "stop ids exactly where the text is complete" (checked against
+  the oracle like every provider's stop ids).
 
-The raw engines do not allow the same sets. Each difference is measured and
-must be exactly one of the two named ones (:func:`passes_final_state`
-and :func:`llguidance_canonical_gap`); anything else fails.
+The engines do not allow the same sets. Each difference is measured and
+must be exactly one of the two named ones (:func:`outlines_sentinel_gap`
+and :func:`llguidance_canonical_gap`); anything else fails. outlines-core's
+own omission (:func:`passes_final_state`) is closed by maskplug's sentinel
+pattern and pinned on the raw engine alone.
 """
 
 from __future__ import annotations
@@ -179,6 +184,7 @@ class RawEngine:
             self.m.fill_next_token_bitmask(row, 0)
         elif self.name == "outlines-core":
             self.m.write_mask_into(row.data_ptr(), row.shape[1], 4)
+            row[0] &= text_row(self.vocab)  # the sentinel / stop bits are maskplug's (see the module notes)
         else:
             self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.shape[1] * 4)
         return row[0]
@@ -214,17 +220,21 @@ def passes_final_state(oracle: Oracle, text: bytes, token: bytes) -> bool:
     return oracle.complete(text + token[:-1]) and not oracle.complete(text + token)
 
 
-def outlines_final_state_gap(vocab: Vocab, oracle: Oracle, text: bytes, xg: set[int], oc: set[int], rng: Any) -> bool:
-    """Whether the tokens xgrammar allows and outlines-core does not are exactly the :func:`passes_final_state` ones.
+def outlines_sentinel_gap(vocab: Vocab, xg: set[int], oc: set[int]) -> bool:
+    """Whether xgrammar's extra tokens over maskplug's outlines-core are all tokens holding byte ``F4``.
 
-    Every omitted token must be one; conversely no token outlines-core allows
-    may be (checked on a sample of at most 256 of them).
+    maskplug's sentinel (U+10FFFF) starts with that byte, so tokens holding
+    it are left out of outlines-core's vocabulary (plane-16 characters only).
     """
-    if not all(passes_final_state(oracle, text, vocab.tokens[t]) for t in xg - oc):
-        return False
-    kept = sorted(oc)
-    sample = kept if len(kept) <= 256 else rng.choice(kept, 256, replace=False).tolist()
-    return not any(passes_final_state(oracle, text, vocab.tokens[t]) for t in sample)
+    return all(b"\xf4" in vocab.tokens[t] for t in xg - oc)
+
+
+def text_row(vocab: Vocab) -> torch.Tensor:
+    """One mask row with every id set except the stop ids."""
+    row = vocab.new_bitmask(1)[0]
+    for e in vocab.eos_ids:
+        row[e >> 5] &= ~(1 << (e & 31)) if (e & 31) != 31 else 0x7FFFFFFF
+    return row
 
 
 def llguidance_canonical_gap(vocab: Vocab, forced: bytes, xg: set[int], ll: set[int]) -> bool:
@@ -298,7 +308,8 @@ def walk(vocab: Vocab, pattern: str, seed: int, steps: int) -> Tally:
             b = vocab.new_bitmask(1)
             m.fill(b, 0)
             rows[n] = b[0].clone()
-            assert torch.equal(rows[n], raw[n].fill()), f"{n}: maskplug's mask differs from the raw engine's"
+            mine = rows[n] & text_row(vocab) if n == "outlines-core" else rows[n]
+            assert torch.equal(mine, raw[n].fill()), f"{n}: maskplug's mask differs from the raw engine's"
             ids = allowed_ids(rows[n], vocab.vocab_size)
             assert not np.isin(ids, special).any(), f"{n}: a control token is allowed"
             assert ids.size == 0 or ids[-1] < len(vocab.tokens), f"{n}: a padding id is allowed"
@@ -313,9 +324,9 @@ def walk(vocab: Vocab, pattern: str, seed: int, steps: int) -> Tally:
         # The measured differences, each one named.
         xg, oc, ll = sets["xgrammar"], sets["outlines-core"], sets["llguidance"]
         assert oc <= xg and ll <= xg, f"an engine allows what xgrammar does not after {text!r}"
-        assert outlines_final_state_gap(vocab, oracle, text, xg, oc, rng), (
+        assert outlines_sentinel_gap(vocab, xg, oc), (
             f"outlines-core leaves out {sorted(vocab.tokens[t] for t in xg - oc)[:8]} after {text!r}, "
-            "not (only) tokens whose last byte follows a full match"
+            "not (only) tokens holding the sentinel's lead byte"
         )
         forced = raw["llguidance"].forced_bytes()
         assert llguidance_canonical_gap(vocab, forced, xg, ll), (
@@ -392,8 +403,14 @@ def _sets_after(vocab: Vocab, pattern: str, text: list[bytes]) -> tuple[dict[str
 
 
 def test_named_difference_outlines_final_state() -> None:
-    """A bare space after a completed word, or the ``.`` after ``2``: xgrammar and llguidance allow it, outlines-core not."""
+    """A bare space after a completed word, or the ``.`` after ``2``: the raw outlines-core index leaves it out.
+
+    The engine's own index of the regex omits exactly the tokens whose last
+    byte follows a full match (:func:`passes_final_state`); maskplug's
+    outlines-core grammar (the sentinel pattern) allows what xgrammar does.
+    """
     vocab = mistral_sentencepiece()
+    raw_vocab = grammar_provider("outlines-core", vocab).raw_vocabulary()
     for pattern, text, omitted in (
         (r"[a-z]+( [a-z]+)*", [b"hello"], b" "),
         (REGEXES["number"], [b"2"], b"."),
@@ -402,11 +419,22 @@ def test_named_difference_outlines_final_state() -> None:
         sets, _ = _sets_after(vocab, pattern, text)
         xg, oc, ll = sets["xgrammar"], sets["outlines-core"], sets["llguidance"]
         ids = {i for i, t in enumerate(vocab.tokens) if t == omitted}
-        assert ids <= xg and ids & ll and not ids & oc
+        assert ids <= xg and ids & ll and ids <= oc
+        assert oc == xg
+        # The engine alone: its index of the plain regex, walked along the same text.
+        index = outlines_core.Index(pattern, raw_vocab)
+        guide = outlines_core.Guide(index)
+        for piece in text:
+            guide.advance(vocab.tokens.index(piece), return_tokens=False)
+        row = vocab.new_bitmask(1)
+        row.zero_()
+        guide.write_mask_into(row.data_ptr(), row.shape[1], 4)
+        raw = set(allowed_ids(row[0], vocab.vocab_size).tolist()) - set(vocab.eos_ids)
+        assert not ids & raw
         oracle, done = Oracle(pattern), b"".join(text)
-        # The whole gap, measured exactly: the tokens whose last byte follows a full match.
-        assert xg - oc == {t for t in xg if passes_final_state(oracle, done, vocab.tokens[t])}
-        assert xg - oc and oc < xg
+        # The engine's whole gap, measured exactly: the tokens whose last byte follows a full match.
+        assert xg - raw == {t for t in xg if passes_final_state(oracle, done, vocab.tokens[t])}
+        assert xg - raw and raw < xg
 
 
 def test_named_difference_llguidance_canonical() -> None:
