@@ -443,7 +443,10 @@ class _Controller:
                 st["regimes"][plan.regime] += 1
             if self.metrics is not None:
                 self.metrics.publish(st, plan.budget)
-        get_registry().step_end(
+        registry = get_registry()
+        if not registry.pm.hook.maskplug_step_end.get_hookimpls():
+            return  # nobody listens: the record is not even built (it is per step, on the engine's path)
+        registry.step_end(
             {
                 "step": step,
                 "scheduler": self.name,
