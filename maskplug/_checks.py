@@ -22,17 +22,12 @@ import torch
 
 from .errors import MaskplugError
 
-__all__ = ["INT32_MAX", "check_unit_interval", "host_int", "host_ints", "is_host_tensor"]
+__all__ = ["INT32_MAX", "check_unit_interval", "host_int", "host_ints"]
 
 #: The largest count or offset maskplug accepts: offsets and row indices are int32 on the device.
 INT32_MAX = 2**31 - 1
 
 IntArray = npt.NDArray[np.int64]
-
-
-def is_host_tensor(value: Any) -> bool:
-    """Whether ``value`` is a tensor whose values the host can read without a device sync."""
-    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
 def _kind(value: Any) -> str:

@@ -57,9 +57,3 @@ class ConfigWarning(RuntimeWarning):
     an error with ``-W error::maskplug.errors.ConfigWarning`` (or
     ``warnings.simplefilter("error", ConfigWarning)``).
     """
-
-
-def expect(cond: bool, exc: type[MaskplugError], arg: str, expected: str, got: object) -> None:
-    """Raise ``exc`` naming ``arg`` unless ``cond`` holds."""
-    if not cond:
-        raise exc(f"{arg}: expected {expected}, got {got}")

@@ -10,11 +10,11 @@ from typing import Any, TextIO
 
 from ..budget import CostModel
 from ..console import Justify, Progress, render_table
+from ..data.tokenizers import load_tokenizer
 from ..dispatch import resolve_backend
 from ..grammar import grammar_provider
 from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model
 from .models import TargetModel, structural_tokens
-from .tokenizers import load_tokenizer
 from .tree_drafter import TreeConfig
 from .tree_engine import TreeSimulation, is_tree_scheduler
 

@@ -7,11 +7,11 @@ from typing import Any
 import torch
 
 from maskplug import hookimpl
+from maskplug.data import load_tokenizer
 from maskplug.grammar import grammar_provider
 from maskplug.kernels.torch_backend import TorchBackend
 from maskplug.sim import SimConfig, Simulation, Workload, default_cost_model
 from maskplug.sim.models import TargetModel
-from maskplug.sim.tokenizers import load_tokenizer
 
 
 def simulation(cfg: SimConfig, scheduler: str) -> Simulation:

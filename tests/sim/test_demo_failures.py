@@ -114,7 +114,7 @@ def test_a_grammar_stopped_at_its_limit_fails_that_request_alone(stopping_provid
 
 
 def rep_vocab(cfg: SimConfig) -> Vocab:
-    from maskplug.sim.tokenizers import load_tokenizer
+    from maskplug.data import load_tokenizer
 
     return load_tokenizer(cfg.tokenizer).vocab
 
@@ -137,8 +137,8 @@ def test_a_run_whose_every_grammar_fails_stops_with_a_clear_error(stopping_provi
 def test_references_follow_a_provider_that_holds_forced_text_to_the_tokenizers_spelling() -> None:
     """llguidance (auto's first choice) allows one of the ids that spell the same bytes (a piece or its byte
     token) in forced text; the workload's reference takes that one, so every request of the stream is served."""
+    from maskplug.data import load_tokenizer
     from maskplug.sim import Workload
-    from maskplug.sim.tokenizers import load_tokenizer
 
     cfg = SimConfig(tokenizer="spm", provider="llguidance")
     tok = load_tokenizer(cfg.tokenizer)

@@ -9,11 +9,11 @@ import pytest
 from sim_testkit import BrokenPlugin
 
 from maskplug import BudgetError, LayoutError, ScheduledLayout, reset_registry
+from maskplug.data import load_tokenizer
 from maskplug.grammar import grammar_provider
 from maskplug.plugins import get_registry
 from maskplug.sim import SimConfig, Workload, default_cost_model
 from maskplug.sim.models import TargetModel, draft, structural_tokens
-from maskplug.sim.tokenizers import load_tokenizer
 from maskplug.sim.tree_drafter import TreeConfig, draft_trees
 from maskplug.sim.tree_engine import TREE_SCHEDULERS, TreeSimulation, is_tree_scheduler
 from maskplug.trees import DraftTree, TreeCompaction

@@ -59,11 +59,10 @@ from maskplug.grammar import (
     grammar_provider,
     grammar_providers,
 )
-from maskplug.grammar.base import check_bitmask
 from maskplug.grammar.checks import check_token
 from maskplug.grammar.registry import AUTO
 from maskplug.grammar.rows import stop_row
-from maskplug.grammar.sdk import FailedMatcher, brief_error
+from maskplug.grammar.sdk import FailedMatcher, brief_error, check_bitmask
 from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
 
 from .vocab import vocab_from_tokenizer
