@@ -38,6 +38,7 @@ import pytest
 import regex
 import torch
 import xgrammar as xgr
+from maskplug_outlines.provider import OutlinesProvider
 
 from maskplug.grammar import GrammarSpec, Vocab, grammar_provider, mistral_sentencepiece, mistral_tekken
 
@@ -410,7 +411,9 @@ def test_named_difference_outlines_final_state() -> None:
     outlines-core grammar (the sentinel pattern) allows what xgrammar does.
     """
     vocab = mistral_sentencepiece()
-    raw_vocab = grammar_provider("outlines-core", vocab).raw_vocabulary()
+    provider = grammar_provider("outlines-core", vocab)
+    assert isinstance(provider, OutlinesProvider)
+    raw_vocab = provider.raw_vocabulary()
     for pattern, text, omitted in (
         (r"[a-z]+( [a-z]+)*", [b"hello"], b" "),
         (REGEXES["number"], [b"2"], b"."),
