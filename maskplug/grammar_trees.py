@@ -44,7 +44,14 @@ import torch
 from .draftmasks import DraftMasks
 from .errors import GrammarError, LayoutError
 from .grammar.checks import brief_error
-from .grammar.draft import FillArgs, check_fill_args, fill_checked, undo_after_interrupt
+from .grammar.draft import (
+    FillArgs,
+    check_fill_args,
+    dead_rows,
+    empty_row_error,
+    fill_checked,
+    undo_after_interrupt,
+)
 from .grammar.jobs import claim, release
 from .grammar.pools import spread_tasks
 from .grammar.protocols import Matcher
@@ -336,6 +343,11 @@ def _fill_tree(args: FillArgs, tree: DraftTree, strategy: str) -> TreeMasks:
     # claim on the matchers is given back only after that.
     spread_tasks(one, g_count, args.n_threads if pooled else 1)
 
+    # A filled row that allows nothing would turn every logit to -inf: its request fails instead.
+    live_rows = filled & (np.arange(width + 1)[None, :] < np.minimum(nd + 1, need)[:, None])
+    for g, p in dead_rows(bitmask, row0, live_rows, vocabs).items():
+        if errors[g] is None:
+            errors[g] = empty_row_error(g, p, "tree row")
     found = {g: e for g, e in enumerate(errors) if e is not None}
     failed = list(found)
     if failed:

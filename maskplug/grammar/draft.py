@@ -776,6 +776,10 @@ def _produce(plan: _Plan) -> DraftMasks:
         restore_after_interrupt(walk.matchers, walk.accepted, exc)
         raise
 
+    # A filled row that allows nothing would turn every logit to -inf: its request fails instead.
+    for g, p in dead_rows(bitmask, row0, walk.filled, walk.vocabs).items():
+        if g not in errors:
+            errors[g] = empty_row_error(g, p, "draft position")
     failed = sorted(errors)
     if failed:
         walk.filled[failed] = False
@@ -840,6 +844,47 @@ def restore_after_interrupt(matchers: Sequence[Matcher], accepted: IntArray, exc
         k = int(accepted[g])
         accepted[g] = 0
         undo_after_interrupt(matchers[g], g, k, exc)
+
+
+def dead_rows(
+    bitmask: torch.Tensor, row0: IntArray, filled: npt.NDArray[np.bool_], vocabs: Sequence[Any]
+) -> dict[int, int]:
+    """The first filled row of each request that allows no token of its vocabulary, by grammar request.
+
+    ``filled[g, p]`` says row ``row0[g] + p`` holds request ``g``'s grammar
+    mask (rows left all-allowed or blank are not asked). Bits past a
+    request's ``vocab_size`` do not count. One vectorised ``any`` over the
+    filled rows.
+    """
+    gi, pi = np.nonzero(filled)
+    if not gi.size:
+        return {}
+    bm = bitmask.numpy()
+    rows = bm[row0[gi] + pi]
+    words = bm.shape[1]
+    size_of = [
+        int(getattr(v, "vocab_size", words * 32)) if v is not None else words * 32
+        for v in (vocabs[g] if g < len(vocabs) else None for g in range(filled.shape[0]))
+    ]
+    sizes = np.minimum(np.asarray(size_of, dtype=np.int64)[gi], words * 32)
+    # Whole words below vocab_size, then the low bits of the partial last word.
+    full, rem = sizes // 32, sizes % 32
+    cols = np.arange(words)[None, :]
+    alive = ((rows != 0) & (cols < full[:, None])).any(axis=1)
+    part = np.flatnonzero(rem > 0)
+    if part.size:
+        last = rows[part, full[part]].astype(np.int64) & ((np.int64(1) << rem[part]) - 1)
+        alive[part] |= last != 0
+    dead = ~alive
+    out: dict[int, int] = {}
+    for g, p in zip(gi[dead].tolist(), pi[dead].tolist(), strict=True):
+        out.setdefault(int(g), int(p))
+    return out
+
+
+def empty_row_error(g: int, p: int, where: str) -> GrammarError:
+    """The failure of request ``g`` whose grammar allows no token, not even a stop token, at row ``p``."""
+    return GrammarError(f"matchers[{g}]: its grammar allows no token at {where} {p}, not even a stop token")
 
 
 def _write_stop_rows(w: _Walk, failed: Sequence[int]) -> None:
