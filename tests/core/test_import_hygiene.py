@@ -28,26 +28,13 @@ GRAMMAR_ENGINES = frozenset({"xgrammar", "llguidance", "outlines_core"})
 #: behind the SDK; each entry is (file relative to the repository, module imported).
 KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
     {
-        ("adapters/sglang/maskplug_sglang/backend.py", "maskplug.grammar"),
-        ("adapters/sglang/maskplug_sglang/backend.py", "maskplug.grammar.checks"),
-        ("adapters/sglang/maskplug_sglang/backend.py", "maskplug.grammar.registry"),
-        ("adapters/sglang/maskplug_sglang/backend.py", "maskplug.grammar.rows"),
-        ("adapters/sglang/maskplug_sglang/backend.py", "maskplug.grammar.spec"),
-        ("adapters/sglang/maskplug_sglang/vocab.py", "maskplug.grammar"),
-        ("adapters/sglang/maskplug_sglang/vocab.py", "maskplug.grammar.vocabs"),
         ("adapters/vllm/maskplug_vllm/adaptive.py", "maskplug.schedulers"),
-        ("adapters/vllm/maskplug_vllm/backend.py", "maskplug.grammar"),
-        ("adapters/vllm/maskplug_vllm/backend.py", "maskplug.grammar.registry"),
-        ("adapters/vllm/maskplug_vllm/backend.py", "maskplug.grammar.rows"),
-        ("adapters/vllm/maskplug_vllm/backend.py", "maskplug.grammar.spec"),
-        ("adapters/vllm/maskplug_vllm/backend.py", "maskplug.grammar.vocabs"),
         ("adapters/vllm/maskplug_vllm/dummy_workload.py", "maskplug.data"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.checks"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.draft"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.jobs"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.protocols"),
-        ("adapters/vllm/maskplug_vllm/v0_33.py", "maskplug.grammar"),
         # Design §8 names maskplug.grammar.limits as public to providers; the compile
         # workers are to be re-exported by maskplug.grammar.sdk and these switched.
         ("grammars/llguidance/maskplug_llguidance/provider.py", "maskplug.grammar.limits"),

@@ -49,21 +49,22 @@ from sglang.srt.constrained.base_grammar_backend import (
 )
 
 import maskplug
-from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout
-from maskplug.grammar import (
+from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug.grammar.sdk import (
+    AUTO,
+    DEFAULT_MAX_WHITESPACE,
+    FailedMatcher,
     GrammarProvider,
     GrammarSpec,
     Matcher,
     Vocab,
-    fill_draft_masks,
+    brief_error,
+    check_bitmask,
+    check_token,
     grammar_provider,
     grammar_providers,
+    stop_row,
 )
-from maskplug.grammar.checks import check_token
-from maskplug.grammar.registry import AUTO
-from maskplug.grammar.rows import stop_row
-from maskplug.grammar.sdk import FailedMatcher, brief_error, check_bitmask
-from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
 
 from .vocab import vocab_from_tokenizer
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from maskplug.grammar import Vocab
-from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
+from maskplug.grammar.sdk import Vocab, vocab_from_hf_tokenizer
 
 __all__ = ["vocab_from_tokenizer"]
 

@@ -20,12 +20,19 @@ from typing import Any
 import torch
 
 from maskplug import GrammarError, PluginError
-from maskplug.grammar import GrammarSpec, Matcher, Vocab, grammar_provider, grammar_providers
-from maskplug.grammar.registry import AUTO
-from maskplug.grammar.rows import stop_row
-from maskplug.grammar.sdk import FailedMatcher, brief_error
-from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
-from maskplug.grammar.vocabs import vocab_from_hf_tokenizer
+from maskplug.grammar.sdk import (
+    AUTO,
+    DEFAULT_MAX_WHITESPACE,
+    FailedMatcher,
+    GrammarSpec,
+    Matcher,
+    Vocab,
+    brief_error,
+    grammar_provider,
+    grammar_providers,
+    stop_row,
+    vocab_from_hf_tokenizer,
+)
 
 __all__ = [
     "ERROR_PREFIX",

@@ -32,8 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from maskplug import DraftMasks, GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bitmask
-from maskplug.grammar import fill_draft_masks
+from maskplug import DraftMasks, GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bitmask, fill_draft_masks
 
 from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
 from .host import StepRows, draft_counts, step_rows
