@@ -1,0 +1,160 @@
+"""A filled row that allows no token is a failed request, never an all -inf row.
+
+A fake matcher allows every token until it has taken ``dead_after``
+tokens, then fills rows with no bit set. Mixed into a batch of real
+provider matchers (which take their chain, batch or per-request paths), it
+fails alone for every strategy of the chain and tree producers: the named
+GrammarError in ``failed``, stop-only rows, acceptable 0 / valid False, and
+the other requests' rows equal the same batch without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from grammar_testkit import PROVIDERS, small_vocab
+
+from maskplug import GrammarRows, GrammarSpec, ScheduledLayout, fill_draft_masks, fill_tree_masks, grammar_provider
+from maskplug.grammar.draft import dead_rows
+from maskplug.grammar.rows import stop_row
+from maskplug.trees import DraftTree
+
+pytestmark = pytest.mark.skipif(not PROVIDERS, reason="no grammar provider is installed")
+
+VOCAB = small_vocab(extra=5)  # vocab_size not a multiple of 32: padding bits exist
+CHAIN_STRATEGIES = ["auto", "chains", "batch", "threads", "serial"]
+TREE_STRATEGIES = ["auto", "native", "walk"]
+
+
+class DeadAfter:
+    """A matcher that allows every token until it has taken ``dead_after`` tokens, then nothing."""
+
+    releases_gil = False
+    batch_ops = None
+
+    def __init__(self, dead_after: int, pad_bits: bool = False) -> None:
+        self.vocab = VOCAB
+        self.dead_after = dead_after
+        self.pad_bits = pad_bits  # also set the padding bits past vocab_size (they must not count)
+        self.n = 0
+
+    def accept(self, token: int) -> bool:
+        self.n += 1
+        return True
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        if self.n < self.dead_after:
+            bitmask[row] = -1
+        else:
+            bitmask[row] = 0
+            if self.pad_bits:
+                bitmask[row, -1] = -(1 << (VOCAB.vocab_size % 32))
+        return False
+
+    def rollback(self, n: int) -> None:
+        self.n -= n
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        return len(tokens)
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def fork(self) -> DeadAfter:
+        return DeadAfter(self.dead_after, self.pad_bits)
+
+
+def _real(n: int) -> list[Any]:
+    g = grammar_provider(PROVIDERS[0], VOCAB).compile(GrammarSpec("regex", r"[a-z]{1,6}"))
+    return [g.matcher() for _ in range(n)]
+
+
+# (dead_after, pad_bits, bad position in the batch): dead at the first row, mid-chain, at the bonus row.
+CASES = [(0, False, 0), (1, True, 1), (2, False, 2), (3, True, 1)]
+
+
+@pytest.mark.parametrize("strategy", CHAIN_STRATEGIES)
+@pytest.mark.parametrize(("dead_after", "pad_bits", "bad"), CASES)
+def test_chain_fill_fails_the_request_whose_row_allows_nothing(
+    strategy: str, dead_after: int, pad_bits: bool, bad: int
+) -> None:
+    a = VOCAB.tokens.index(b"a")
+    k, n = 3, 4
+    ids = [f"r{i}" for i in range(n)]
+    ms: list[Any] = _real(n)
+    ms[bad] = DeadAfter(dead_after, pad_bits)
+    lay = ScheduledLayout(ids, [k] * n, [1] * n)
+    bm = VOCAB.new_bitmask(GrammarRows(ids).num_rows(lay))
+    dm = fill_draft_masks(ms, [[a] * k] * n, bm, GrammarRows(ids), lay, strategy=strategy)
+    assert list(dm.failed) == [bad]
+    msg = str(dm.failed[bad])
+    assert msg.startswith(f"matchers[{bad}]: its grammar allows no token at draft position {dead_after},")
+    assert dm.acceptable[bad] == 0 and not dm.forced[bad].any()
+    rows_per = k + 1
+    assert bool((bm[bad * rows_per : (bad + 1) * rows_per] == stop_row(VOCAB)).all())
+    keep = [i for i in range(n) if i != bad]
+    ref_ids = [ids[i] for i in keep]
+    ref_lay = ScheduledLayout(ref_ids, [k] * len(keep), [1] * len(keep))
+    ref_bm = VOCAB.new_bitmask(GrammarRows(ref_ids).num_rows(ref_lay))
+    ref = fill_draft_masks(
+        _real(len(keep)), [[a] * k] * len(keep), ref_bm, GrammarRows(ref_ids), ref_lay, strategy=strategy
+    )
+    assert not ref.failed
+    got = torch.cat([bm[i * rows_per : (i + 1) * rows_per] for i in keep])
+    assert torch.equal(got, ref_bm)
+    assert dm.acceptable[keep].tolist() == ref.acceptable.tolist()
+    assert np.array_equal(dm.forced[keep], ref.forced)
+
+
+@pytest.mark.parametrize("strategy", TREE_STRATEGIES)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize(("dead_after", "pad_bits", "bad"), CASES[:3])
+def test_tree_fill_fails_the_request_whose_row_allows_nothing(
+    strategy: str, shape: str, dead_after: int, pad_bits: bool, bad: int
+) -> None:
+    a = VOCAB.tokens.index(b"a")
+    k, n = 3, 4
+    ids = [f"r{i}" for i in range(n)]
+    parents = [[-1, 0, 1] if shape == "chain" else [-1, 0, 0]] * n
+    ms: list[Any] = _real(n)
+    ms[bad] = DeadAfter(dead_after, pad_bits)
+    lay = ScheduledLayout(ids, [k] * n, [1] * n)
+    bm = VOCAB.new_bitmask(GrammarRows(ids).num_rows(lay))
+    tm = fill_tree_masks(ms, [[a] * k] * n, bm, GrammarRows(ids), DraftTree(lay, parents), strategy=strategy)
+    assert list(tm.failed) == [bad]
+    assert "its grammar allows no token at" in str(tm.failed[bad])
+    assert str(tm.failed[bad]).startswith(f"matchers[{bad}]: ")
+    assert not tm.valid[bad].any() and not tm.forced[bad].any()
+    rows_per = k + 1
+    assert bool((bm[bad * rows_per : (bad + 1) * rows_per] == stop_row(VOCAB)).all())
+    keep = [i for i in range(n) if i != bad]
+    ref_ids = [ids[i] for i in keep]
+    ref_lay = ScheduledLayout(ref_ids, [k] * len(keep), [1] * len(keep))
+    ref_bm = VOCAB.new_bitmask(GrammarRows(ref_ids).num_rows(ref_lay))
+    ref_tree = DraftTree(ref_lay, [parents[i] for i in keep])
+    ref = fill_tree_masks(
+        _real(len(keep)), [[a] * k] * len(keep), ref_bm, GrammarRows(ref_ids), ref_tree, strategy=strategy
+    )
+    assert not ref.failed
+    got = torch.cat([bm[i * rows_per : (i + 1) * rows_per] for i in keep])
+    assert torch.equal(got, ref_bm)
+    assert np.array_equal(tm.valid[keep], ref.valid) and np.array_equal(tm.forced[keep], ref.forced)
+
+
+def test_dead_rows_counts_only_bits_within_the_vocabulary() -> None:
+    bm = VOCAB.new_bitmask(3)
+    bm[0] = 0
+    bm[0, -1] = -(1 << (VOCAB.vocab_size % 32))  # only padding bits: dead
+    bm[1] = 0
+    bm[1, -1] = 1 << ((VOCAB.vocab_size % 32) - 1)  # the last real token: alive
+    bm[2] = 0  # nothing: dead, but not filled (never asked)
+    filled = np.array([[True, True, False]])
+    assert dead_rows(bm, np.array([0]), filled, [VOCAB]) == {0: 0}
+    assert dead_rows(bm, np.array([0]), np.array([[False, True, False]]), [VOCAB]) == {}
