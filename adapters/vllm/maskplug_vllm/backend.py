@@ -98,6 +98,26 @@ def vocab_from_tokenizer(tokenizer: Any, vocab_size: int) -> Vocab:
     return vocab_from_hf_tokenizer(tokenizer, vocab_size)
 
 
+MAX_WHITESPACE_ENV = "MASKPLUG_VLLM_MAX_WHITESPACE"
+"""The bound on whitespace runs in JSON grammars: an int >= 0, or ``none`` for vLLM's own unbounded whitespace."""
+
+
+def max_whitespace_from_env() -> int | None:
+    """:data:`MAX_WHITESPACE_ENV`'s bound (unset: :data:`maskplug.grammar.spec.DEFAULT_MAX_WHITESPACE`).
+
+    Raises:
+        PluginError: a value that is neither ``none`` nor a whole number >= 0, naming the variable.
+    """
+    raw = os.environ.get(MAX_WHITESPACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_WHITESPACE
+    if raw.lower() == "none":
+        return None
+    if not raw.isdigit():
+        raise PluginError(f"{MAX_WHITESPACE_ENV}: expected a whole number >= 0 or 'none', got {raw!r}")
+    return int(raw)
+
+
 def spec_from_vllm(
     request_type: Any,
     grammar_spec: str,
@@ -385,7 +405,10 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         """Compile (cached by the provider) and start a matcher for one request."""
         so = getattr(self.vllm_config, "structured_outputs_config", None)
         spec = spec_from_vllm(
-            request_type, grammar_spec, disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False))
+            request_type,
+            grammar_spec,
+            disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False)),
+            max_whitespace=max_whitespace_from_env(),
         )
         provider = self._provider(stop_token_ids)
         compiled = provider.compile(spec)

@@ -123,14 +123,16 @@ def _instrument() -> dict[str, int]:
     import maskplug_vllm.scheduler as mp_sched
 
     counts = {"fill_calls": 0, "draft_rows": 0}
-    real_fill = mp_sched.fill_draft_masks
+    real_fill = mp_sched.fill_step_rows
 
-    def fill(matchers: Any, drafts: Any, bitmask: Any, rows: Any, layout: Any, **kw: Any) -> Any:
+    # The producer's step (every path: few requests walk straight into the serial walk, more go
+    # through fill_draft_masks).
+    def fill(bitmask: Any, grammars: Any, ids: Any, spec: Any) -> Any:
         counts["fill_calls"] += 1
-        counts["draft_rows"] += layout.total_drafts
-        return real_fill(matchers, drafts, bitmask, rows, layout, **kw)
+        counts["draft_rows"] += sum(len(spec.get(r, ())) for r in ids)
+        return real_fill(bitmask, grammars, ids, spec)
 
-    mp_sched.fill_draft_masks = fill
+    mp_sched.fill_step_rows = fill
     return counts
 
 

@@ -38,19 +38,21 @@ def _instrument() -> dict[str, int]:
     import maskplug_vllm.worker as mp_worker
 
     counts = {"fill_calls": 0, "draft_rows": 0, "apply_calls": 0, "applied_rows": 0}
-    real_fill, real_apply = mp_sched.fill_draft_masks, mp_worker.apply_grammar_bitmask
+    real_fill, real_apply = mp_sched.fill_step_rows, mp_worker.apply_grammar_bitmask
 
-    def fill(matchers: Any, drafts: Any, bitmask: Any, rows: Any, layout: Any, **kw: Any) -> Any:
+    # The producer's step (every path: few requests walk straight into the serial walk, more go
+    # through fill_draft_masks).
+    def fill(bitmask: Any, grammars: Any, ids: Any, spec: Any) -> Any:
         counts["fill_calls"] += 1
-        counts["draft_rows"] += layout.total_drafts
-        return real_fill(matchers, drafts, bitmask, rows, layout, **kw)
+        counts["draft_rows"] += sum(len(spec.get(r, ())) for r in ids)
+        return real_fill(bitmask, grammars, ids, spec)
 
     def apply(logits: Any, bitmask: Any, mapping: Any, cu: Any, **kw: Any) -> None:
         counts["apply_calls"] += 1
         counts["applied_rows"] += len(mapping)
         real_apply(logits, bitmask, mapping, cu, **kw)
 
-    mp_sched.fill_draft_masks = fill
+    mp_sched.fill_step_rows = fill
     mp_worker.apply_grammar_bitmask = apply
     return counts
 

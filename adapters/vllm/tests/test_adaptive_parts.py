@@ -189,3 +189,19 @@ def test_check_config_accepts_tensor_parallel_and_drafters(scheduler: str) -> No
     adaptive.check_config(draft, scheduler)
     adaptive.check_config(draft, "dspark")
     adaptive.check_config(draft, "grammar-aware:dspark")
+
+
+def test_whitespace_bound_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from maskplug_vllm import backend
+
+    from maskplug.grammar.sdk import DEFAULT_MAX_WHITESPACE
+
+    monkeypatch.delenv(backend.MAX_WHITESPACE_ENV, raising=False)
+    assert backend.max_whitespace_from_env() == DEFAULT_MAX_WHITESPACE
+    for raw, want in (("none", None), ("NONE", None), ("0", 0), (" 40 ", 40)):
+        monkeypatch.setenv(backend.MAX_WHITESPACE_ENV, raw)
+        assert backend.max_whitespace_from_env() == want
+    for bad in ("-1", "2.5", "many"):
+        monkeypatch.setenv(backend.MAX_WHITESPACE_ENV, bad)
+        with pytest.raises(PluginError, match=r"MASKPLUG_VLLM_MAX_WHITESPACE: expected a whole number"):
+            backend.max_whitespace_from_env()

@@ -301,10 +301,14 @@ def run_script(
 ) -> dict[str, Any]:
     """Run one of this folder's engine scripts in a fresh process and return the JSON it wrote to ``out``.
 
-    The process gets this environment without any ``MASKPLUG_VLLM*`` variable, plus ``env`` (so each run
-    says for itself whether maskplug is on); a failed run raises with the end of its stderr.
+    The process gets this environment without any ``MASKPLUG_VLLM*`` variable, with
+    ``MASKPLUG_VLLM_MAX_WHITESPACE=none`` (vLLM's own JSON grammars bound no whitespace run, and the
+    runs are compared with them), plus ``env`` (so each run says for itself whether maskplug is on);
+    a failed run raises with the end of its stderr.
     """
     run_env = {k: v for k, v in os.environ.items() if not k.startswith("MASKPLUG_VLLM")}
+    # The engine runs compare maskplug's grammars with vLLM's own, which bound no whitespace run.
+    run_env["MASKPLUG_VLLM_MAX_WHITESPACE"] = "none"
     run_env.update(env or {})
     here = Path(__file__).resolve().parent
     proc = subprocess.run(
