@@ -42,10 +42,12 @@ def _instrument() -> dict[str, int]:
 
     # The producer's step (every path: few requests walk straight into the serial walk, more go
     # through fill_draft_masks).
-    def fill(bitmask: Any, grammars: Any, ids: Any, spec: Any) -> Any:
+    def fill(
+        bitmask: Any, grammars: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+    ) -> tuple[int, Any]:
         counts["fill_calls"] += 1
-        counts["draft_rows"] += sum(len(spec.get(r, ())) for r in ids)
-        return real_fill(bitmask, grammars, ids, spec)
+        counts["draft_rows"] += sum(len(spec_tokens.get(r, ())) for r in grammar_req_ids)
+        return real_fill(bitmask, grammars, grammar_req_ids, spec_tokens)
 
     def apply(logits: Any, bitmask: Any, mapping: Any, cu: Any, **kw: Any) -> None:
         counts["apply_calls"] += 1
