@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from maskplug_vllm import demo
 
 #: The longest a test server may live (start-up included) before it is killed.
 LIFETIME_S = 420.0
@@ -64,15 +62,11 @@ def server_args(
     max_num_seqs: int = 16,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The server's command line (module form, as users run the CPU build), under ``timeout``.
+    """The server's command line (module form, as users run the CPU build).
 
-    ``timeout`` ends the server after :data:`LIFETIME_S` even when the process that started it is
-    gone (a test runner killed mid-test cannot stop what it started).
+    :class:`Server` runs it under GNU ``timeout``, so its lifetime holds even when the test runner dies.
     """
     args = [
-        "timeout",
-        "--kill-after=15",
-        str(int(LIFETIME_S)),
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
@@ -105,73 +99,19 @@ def server_args(
     return args + list(extra)
 
 
-class Server:
-    """One OpenAI server process group; use as a context manager."""
+class Server(demo.Server):
+    """The demo's server runner (:class:`maskplug_vllm.demo.Server`) with the tests' limits; started on enter."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path, *, port: int) -> None:
-        self.args, self.env, self.log_path, self.port = args, env, log, port
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._timer: threading.Timer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        super().__init__(args, env, log, port=port, start_s=START_S, lifetime_s=LIFETIME_S)
 
     def __enter__(self) -> Server:
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            self.args, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        self._timer = threading.Timer(LIFETIME_S, self.stop)
-        self._timer.daemon = True
-        self._timer.start()
-        deadline = time.monotonic() + START_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.stop()
-                raise AssertionError(f"server exited with {self.proc.returncode} at start:\n{self.log()[-6000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise AssertionError(f"server not ready in {START_S:.0f} s:\n{self.log()[-6000:]}")
-
-    def stop(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        if proc is not None:
-            # Whatever the leader did, nothing of the group may survive it.
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._timer is not None:
-            self._timer.cancel()
-        if getattr(self, "_log", None) is not None and not self._log.closed:
-            self._log.close()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.start()
+        except RuntimeError as exc:
+            self.stop()
+            raise AssertionError(str(exc)) from exc
+        return self
 
 
 def serve(server: Server, requests: Sequence[dict[str, Any]], *, concurrency: int = 16) -> list[dict[str, Any]]:
