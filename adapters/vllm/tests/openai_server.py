@@ -14,10 +14,8 @@ server's Prometheus page.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import sys
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,41 +60,20 @@ def server_args(
     max_num_seqs: int = 16,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The server's command line (module form, as users run the CPU build).
+    """The server's command line (:func:`maskplug_vllm.demo.server_command`) on dummy weights at ``tp`` ranks.
 
     :class:`Server` runs it under GNU ``timeout``, so its lifetime holds even when the test runner dies.
     """
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--load-format",
-        "dummy",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-model-len",
-        str(max_model_len),
-        "--max-num-seqs",
-        str(max_num_seqs),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--structured-outputs-config.backend",
-        backend,
-        "--tensor-parallel-size",
-        str(tp),
-    ]
-    if speculative is not None:
-        args += ["--speculative-config", json.dumps(speculative)]
-    return args + list(extra)
+    return demo.server_command(
+        model,
+        port,
+        spec=speculative,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        served_name="tiny",
+        backend=backend,
+        extra=["--load-format", "dummy", "--tensor-parallel-size", str(tp), *extra],
+    )
 
 
 class Server(demo.Server):
