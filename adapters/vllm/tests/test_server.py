@@ -34,6 +34,8 @@ import pytest
 import tiny_model
 from openai_server import NGRAM, Server, free_port, metrics, serve, server_args, server_env
 
+from maskplug.grammar.sdk import DEFAULT_MAX_WHITESPACE
+
 REGEXES = [r"[a-z]{3,8}-[0-9]{2}", r"(yes|no|maybe)", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"[A-Z][a-z]{2,9}"]
 NUM_REQUESTS = 16
 MAX_TOKENS = 40
@@ -233,7 +235,13 @@ def test_llm_with_vllm_defaults_is_lossless_and_counts(
         "llm_default_run.py",
         models[0],
         tmp_path / "out.json",
-        env={"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "goodput", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        # The servers' grammars: maskplug's default whitespace bound (run_script turns it off otherwise).
+        env={
+            "MASKPLUG_VLLM": "1",
+            "MASKPLUG_VLLM_SCHEDULER": "goodput",
+            "MASKPLUG_VLLM_MAX_WHITESPACE": str(DEFAULT_MAX_WHITESPACE),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        },
         timeout=400,
     )
     tokens = [o["tokens"] for o in got["outputs"]]
