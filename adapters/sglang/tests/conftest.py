@@ -177,7 +177,8 @@ def bpe_backends(bpe_tokenizer: Any) -> tuple[Any, Any]:
 
     eos = [bpe_tokenizer.eos_token_id]
     theirs = XGrammarGrammarBackend(bpe_tokenizer, vocab_size=BPE_VOCAB_SIZE, model_eos_token_ids=eos)
-    ours = MaskplugGrammarBackend(bpe_tokenizer, BPE_VOCAB_SIZE, set(eos), provider="xgrammar")
+    # SGLang's own xgrammar backend bounds no whitespace run: compared with it, neither does ours.
+    ours = MaskplugGrammarBackend(bpe_tokenizer, BPE_VOCAB_SIZE, set(eos), provider="xgrammar", max_whitespace=None)
     return theirs, ours
 
 
@@ -217,7 +218,7 @@ def sp_backends() -> tuple[Any, Any, SentencePieceTokenizer]:
     tok = SentencePieceTokenizer()
     size = tok.maskplug_vocab.vocab_size
     theirs = XGrammarGrammarBackend(tok, vocab_size=size, model_eos_token_ids=[tok.eos_token_id])
-    ours = MaskplugGrammarBackend(tok, size, {tok.eos_token_id}, provider="xgrammar")
+    ours = MaskplugGrammarBackend(tok, size, {tok.eos_token_id}, provider="xgrammar", max_whitespace=None)
     return theirs, ours, tok
 
 
