@@ -23,6 +23,7 @@ variable, since falling back to another backend would ignore the setting.
 from __future__ import annotations
 
 import importlib.metadata as md
+import itertools
 import os
 import threading
 import warnings
@@ -42,6 +43,9 @@ LOAD_PLUGINS_ENV = "MASKPLUG_LOAD_PLUGINS"
 DISABLE_PLUGINS_ENV = "MASKPLUG_DISABLE_PLUGINS"
 KERNEL_BACKEND_ENV = "MASKPLUG_KERNEL_BACKEND"
 BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers.registry")
+
+# Numbers the registries of this process, in the order they are made.
+_generations = itertools.count(1)
 
 
 @dataclass
@@ -75,6 +79,9 @@ class Registry:
         #: Environment settings naming something that does not exist (one line each, as warned at load).
         self.config_problems: list[str] = []
         self._owner: dict[tuple[str, str], str] = {}
+        #: This registry's number in the process (a fresh registry, after :func:`reset_registry`, has a
+        #: larger one): what was built from an earlier registry's factories is keyed on its number.
+        self.generation = next(_generations)
 
     # -- registration callbacks ------------------------------------------------
     def _claim(self, kind: str, name: str, plugin: str) -> None:
@@ -235,11 +242,10 @@ def get_registry() -> Registry:
 def reset_registry() -> None:
     """Forget the loaded plugins; the next :func:`get_registry` loads them again.
 
-    Useful after changing the environment switches (tests do).
+    Useful after changing the environment switches (tests do). What was built
+    from the old registry's factories is not reused: it is keyed on
+    :attr:`Registry.generation`.
     """
     global _registry
     with _lock:
         _registry = None
-    from .grammar.registry import clear_provider_cache  # late: the grammar package imports this module
-
-    clear_provider_cache()  # providers made by the old factories

@@ -20,8 +20,10 @@ __all__ = ["AUTO", "clear_provider_cache", "grammar_provider", "grammar_provider
 #: The name of the provider that picks a registered provider per spec.
 AUTO = "auto"
 
-# (provider name, vocabulary fingerprint) -> the provider bound to that vocabulary.
-_providers: dict[tuple[str, str], GrammarProvider] = {}
+# (registry generation, provider name, vocabulary fingerprint) -> the provider bound to that vocabulary.
+# A fresh registry (maskplug.reset_registry) has a new generation: the providers made by the old
+# factories are never served again, and the first provider of the new one drops them.
+_providers: dict[tuple[int, str, str], GrammarProvider] = {}
 _lock = threading.Lock()
 
 
@@ -36,23 +38,29 @@ def grammar_provider(name: str, vocab: Vocab) -> GrammarProvider:
         raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
     if not isinstance(name, str):
         raise GrammarError(f"name: expected a provider name (str), got {type(name).__name__}")
-    factories = dict(get_registry().grammar_providers)
+    registry = get_registry()
+    factories = dict(registry.grammar_providers)
     if AUTO not in factories:
         from .auto import AutoProvider
 
         factories[AUTO] = AutoProvider
     if name not in factories:
         raise GrammarError(f"name: expected one of the registered providers {sorted(factories)}, got {name!r}")
-    key = (name, vocab.fingerprint)
+    key = (registry.generation, name, vocab.fingerprint)
     prov = _providers.get(key)
     if prov is None:
         made = factories[name](vocab)
         with _lock:
+            for old in [k for k in _providers if k[0] != registry.generation]:
+                del _providers[old]
             prov = _providers.setdefault(key, made)
     return prov
 
 
 def clear_provider_cache() -> None:
-    """Forget every provider instance (:func:`maskplug.reset_registry` calls this: the factories may change)."""
+    """Forget every provider instance (the next :func:`grammar_provider` call for each makes a new one).
+
+    Not needed after :func:`maskplug.reset_registry`: instances are kept per registry.
+    """
     with _lock:
         _providers.clear()

@@ -250,3 +250,30 @@ def test_unavailable_backends(entry_points: list[FakeEntryPoint]) -> None:
     status = mp.backend_status("cpu")
     assert status["gpu-only"] == "needs a CUDA device" and status["torch"] is None
     assert gpu_only.calls == []
+
+
+def test_each_registry_has_a_new_generation_and_providers_are_kept_per_generation(
+    entry_points: list[FakeEntryPoint],
+) -> None:
+    from maskplug.grammar import Vocab, grammar_provider
+
+    made: list[Any] = []
+
+    class Provider:
+        def __init__(self, vocab: Vocab) -> None:
+            made.append(self)
+
+    class Plugin:
+        @mp.hookimpl
+        def maskplug_register_grammar_providers(self, register: Callable[[str, Any], None]) -> None:
+            register("counted", Provider)
+
+    entry_points.append(FakeEntryPoint("counted", Plugin))
+    vocab = Vocab([b"a", b"b", b"</s>"], eos_ids=[2])
+    first = mp.get_registry()
+    assert grammar_provider("counted", vocab) is grammar_provider("counted", vocab) is made[0]
+    mp.reset_registry()
+    second = mp.get_registry()
+    assert second is not first and second.generation > first.generation
+    assert grammar_provider("counted", vocab) is made[1]  # the old registry's instance is not served again
+    assert plugins.Registry().generation > second.generation
