@@ -41,17 +41,12 @@ the device with the live confidences: :func:`~maskplug.budget.allocate_step`
 (re-exported here) does it and, on a step with draft masks, never admits a
 draft the grammar rejected.
 
-``maskplug.schedulers`` is both this package and the listing: the package
-module is callable, so ``maskplug.schedulers()`` returns :func:`schedulers`
-while ``import maskplug.schedulers`` and ``from maskplug.schedulers import
-StepView`` work as for any package. That is done once, at the end of this
-file, and nowhere else.
+The registered names are listed by :func:`scheduler_names` (also
+``maskplug.scheduler_names()``); :func:`schedulers` is the same listing under
+its older name. ``maskplug.schedulers`` is this package, an ordinary module.
 """
 
 from __future__ import annotations
-
-import sys
-import types
 
 from ..budget import allocate_step
 from .dspark import DSparkScheduler
@@ -87,18 +82,3 @@ __all__ = [
     "scheduler_names",
     "schedulers",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    """The class of this package's module object: calling it lists the registered schedulers.
-
-    The top-level package exports both this package and the listing function
-    under the one name ``schedulers``; a callable module keeps
-    ``import maskplug.schedulers`` and ``maskplug.schedulers()`` both working.
-    """
-
-    def __call__(self) -> list[str]:
-        return schedulers()
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -81,15 +81,15 @@ def test_builtins_register_through_the_hook() -> None:
 
 def test_the_listing_is_the_sorted_registered_names(only_builtins: list[_EntryPoint]) -> None:
     # Nothing but the built-ins: the listing is exactly their names, sorted, whichever way it is reached.
-    assert mp.schedulers() == BUILTINS  # type: ignore[operator]
-    assert callable(maskplug.schedulers) and isinstance(maskplug.schedulers, types.ModuleType)
-    assert maskplug.schedulers() == BUILTINS  # type: ignore[operator]
-    assert maskplug.schedulers.schedulers() == BUILTINS
+    assert mp.scheduler_names() == BUILTINS
+    assert maskplug.schedulers.schedulers() == maskplug.schedulers.scheduler_names() == BUILTINS
+    # The package is an ordinary module: the listing is a function of it, not the module called.
+    assert isinstance(maskplug.schedulers, types.ModuleType) and not callable(maskplug.schedulers)
     assert [p.name for p in mp.get_registry().plugins] == list(BUILTIN_PLUGINS)
     # An outside plugin found through its entry point appears in the listing, in sorted place.
     only_builtins.append(_EntryPoint("halving-plugin", _Plugin()))
     mp.reset_registry()
-    assert mp.schedulers() == ["dspark", "goodput", "grammar-aware", "halving", "no-spec", "verify-all"]
+    assert mp.scheduler_names() == ["dspark", "goodput", "grammar-aware", "halving", "no-spec", "verify-all"]
     assert type(mp.get_scheduler("halving")) is _Halving
     info = next(p for p in mp.get_registry().plugins if p.name == "halving-plugin")
     assert (info.distribution, info.error, info.hooks) == (
@@ -101,7 +101,7 @@ def test_the_listing_is_the_sorted_registered_names(only_builtins: list[_EntryPo
     with pytest.MonkeyPatch.context() as m:
         m.setenv("MASKPLUG_DISABLE_PLUGINS", "halving-plugin")
         mp.reset_registry()
-        assert mp.schedulers() == BUILTINS
+        assert mp.scheduler_names() == BUILTINS
         with pytest.raises(mp.PluginError, match=r"name: expected one of the registered schedulers .* got 'halving'"):
             mp.get_scheduler("halving")
 
@@ -189,7 +189,7 @@ class _Plugin:
 
 def test_outside_plugin_scheduler_is_found_by_name_and_wrapped(fresh_registry: None) -> None:
     mp.get_registry().add_plugin(_Plugin(), "test-halving")
-    assert "halving" in mp.schedulers()  # type: ignore[operator]
+    assert "halving" in mp.scheduler_names()
     sched = mp.get_scheduler("halving", rounding="up")
     assert isinstance(sched, mp.Scheduler) and sched.rounding == "up"  # type: ignore[attr-defined]
     lay = mp.ScheduledLayout([1, 2], [4, 3], [1, 1])

@@ -157,7 +157,7 @@ def test_specs_that_are_not_strings() -> None:
 def test_scheduler_names_lists_the_registered_schedulers() -> None:
     assert mp.scheduler_names is scheduler_names
     assert "scheduler_names" in mp.__all__
-    assert scheduler_names() == mp.schedulers() == NAMES  # type: ignore[operator]
+    assert scheduler_names() == mp.schedulers.schedulers() == NAMES
     for name in scheduler_names():
         assert parse_scheduler_spec(name) == SchedulerSpec(name, {})
 
