@@ -463,3 +463,44 @@ def test_apply_scatter_reuses_rows_of_a_repeated_step_correctly() -> None:
             assert np.array_equal(cached.mapping.position, fresh.mapping.position)
             assert np.array_equal(cached.layout.cu_scheduled, fresh.layout.cu_scheduled)
             assert cached.num_batch == fresh.num_batch
+
+
+def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
+    """The built-in ``verify-all`` skips the view and the outcome; a subclass of it takes the general path."""
+    from maskplug.schedulers import VerifyAllScheduler
+
+    class Watched(VerifyAllScheduler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.outcomes: list[StepOutcome] = []
+
+        def observe(self, outcome: StepOutcome) -> None:
+            self.outcomes.append(outcome)
+
+    watched = Watched()
+    fast = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    general = adaptive._Controller(watched, "verify-all", CostModel.linear())
+    assert fast.verifies_all and not general.verifies_all
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        so, ids, nd, _ = _step(rng)
+        gids = ids[: len(ids) // 2]
+        go = _with_grammar(
+            so, gids, [int(nd[i]) for i in range(len(gids))], sum(1 + int(nd[i]) for i in range(len(gids)))
+        )
+        plans = [fast.plan(so, go), general.plan(so, go)]
+        a, b = plans
+        assert (a.budget, a.regime, a.structured, a.num_grammar) == (b.budget, b.regime, b.structured, b.num_grammar)
+        assert a.capacity.tolist() == b.capacity.tolist() == nd.tolist()
+        assert not hasattr(so, adaptive.VERIFY_STEP_ATTR)  # every draft verified: vLLM's output runs as it is
+        order = list(rng.permutation(len(ids)))
+        sampled: list[list[int]] = [[] for _ in ids]
+        for i in range(len(ids)):
+            # Some requests emit nothing (a finished or preempted one), the rest 1 + accepted.
+            if rng.random() < 0.9:
+                sampled[order[i]] = [3] * (int(rng.integers(0, nd[i] + 1)) + 1)
+        out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={r: order[i] for i, r in enumerate(ids)})
+        fast.finish(a, out)
+        general.finish(b, out)
+    assert fast.stats == general.stats
+    assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
