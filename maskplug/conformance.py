@@ -18,7 +18,10 @@ For each provider, two paths are measured in the same run:
   ``GrammarCompiler``/``GrammarMatcher`` over a ``TokenizerInfo`` built from
   the tiktoken encoding; llguidance's ``LLMatcher`` over
   ``LLTokenizer.from_tiktoken``, a token taken only when the engine's mask
-  allows it (as masked sampling does); outlines-core's ``Guide``.
+  allows it (as masked sampling does); outlines-core's ``Guide``. Each
+  provider distribution registers its engine's driver
+  (:class:`EngineDriver`, through the ``maskplug_register_engine_drivers``
+  hook); a provider with none has the maskplug path only.
 
 Both paths get the same option mapping (:class:`~maskplug.grammar.GrammarSpec`
 options to engine settings, documented in each provider distribution).
@@ -51,7 +54,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -61,10 +64,12 @@ from .grammar import GrammarSpec, Vocab, grammar_provider, grammar_providers
 from .grammar.limits import MAX_COMPILE_LIMIT_S, check_limit
 from .grammar.registry import AUTO
 from .grammar.vocabs import mistral_tekken, mistral_tekken_encoding
+from .plugins import get_registry
 
 __all__ = [
     "DEFAULT_PROVIDERS",
     "Case",
+    "EngineDriver",
     "PathReport",
     "check_providers",
     "default_data_path",
@@ -272,10 +277,6 @@ def _text(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def _bit(row: np.ndarray[Any, Any], t: int) -> bool:
-    return bool((int(row[t >> 5]) >> (t & 31)) & 1)
-
-
 # --------------------------------------------------------------------------
 # maskplug's path
 # --------------------------------------------------------------------------
@@ -300,120 +301,40 @@ def _feed_maskplug(grammar: Any, vocab: Vocab, ids: Sequence[int], bitmask: torc
 # --------------------------------------------------------------------------
 
 
-class _Engine:
-    """One engine driven through its own API: ``compile(spec)`` then ``feed(grammar, ids) -> bool``."""
+class EngineDriver(Protocol):
+    """One engine driven through its own Python API, as its serving integrations drive it.
 
-    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
-        raise NotImplementedError
+    Each provider distribution registers the driver of its engine through the
+    ``maskplug_register_engine_drivers`` hook; the factory is called with the
+    vocabulary and its ``tiktoken`` encoding (ranks numbered from
+    ``encoding.maskplug_offset``, the control ids in front).
+    """
 
-    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
-        raise NotImplementedError
+    #: True when the engine path reuses the grammar maskplug compiled (its compile figures are then maskplug's).
+    shares_compile: bool
 
+    def compile(self, spec: GrammarSpec, grammar: Any) -> Any:
+        """The engine's own grammar for ``spec`` (``grammar``: maskplug's, or None when that compile failed).
 
-class _XGrammarEngine(_Engine):
-    def __init__(self, vocab: Vocab) -> None:
-        import xgrammar as xgr
+        Raises what the engine raises, or :class:`GrammarError` with the engine's reason.
+        """
+        ...
 
-        enc = mistral_tekken_encoding()
-        off = int(enc.maskplug_offset)
-        # As serving integrations hand a tiktoken vocabulary to xgrammar: raw bytes per id, controls empty.
-        encoded = [b""] * off + [enc.decode_single_token_bytes(r) for r in range(vocab.vocab_size - off)]
-        self.xgr = xgr
-        self.eos = vocab.eos_ids[0]
-        self.info = xgr.TokenizerInfo(
-            encoded, xgr.VocabType.RAW, vocab_size=vocab.vocab_size, stop_token_ids=[self.eos]
-        )
-        self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
-
-    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
-        ws: dict[str, Any] = {"any_whitespace": spec.whitespace != "compact"}
-        if spec.whitespace == "compact":
-            ws["separators"] = (",", ":")
-        from maskplug_xgrammar.provider import capture_stderr
-
-        with capture_stderr():  # xgrammar's warnings are counted on maskplug's path; keep the console clean
-            return self.compiler.compile_json_schema(json.dumps(spec.source), strict_mode=spec.strict_keys, **ws)
-
-    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
-        m = self.xgr.GrammarMatcher(grammar)
-        bitmask = self.xgr.allocate_token_bitmask(1, self.info.vocab_size)
-        for t in [*ids, self.eos]:
-            m.fill_next_token_bitmask(bitmask, 0)  # as serving does before sampling each token
-            if not m.accept_token(int(t)):
-                return False
-        return True
+    def feed(self, compiled: Any, ids: Sequence[int]) -> bool:
+        """Whether a fresh matcher of ``compiled`` takes every token of ``ids`` and then the stop token."""
+        ...
 
 
-class _LLGuidanceEngine(_Engine):
-    def __init__(self, vocab: Vocab) -> None:
-        from llguidance import LLMatcher, LLTokenizer
+def engine_path(name: str, vocab: Vocab, encoding: Any = None) -> EngineDriver | None:
+    """The engine behind provider ``name`` driven directly (None for ``auto`` and providers with no driver).
 
-        enc = mistral_tekken_encoding()
-        off = int(enc.maskplug_offset)
-        ranks = {b: r + off for b, r in enc._mergeable_ranks.items()}
-        specials = {vocab.tokens[i].decode("utf-8"): i for i in range(off)}
-        self.LLMatcher = LLMatcher
-        self.eos = vocab.eos_ids[0]
-        self.tok = LLTokenizer.from_tiktoken(  # type: ignore[attr-defined]
-            encoder=ranks, special_tokens=specials, pattern=enc._pat_str, eos_token=self.eos, n_vocab=vocab.vocab_size
-        )
-        self.words = (vocab.vocab_size + 31) // 32
-
-    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
-        from maskplug_llguidance.provider import grammar_text
-
-        grammar = grammar_text(spec)
-        m = self.LLMatcher(self.tok, grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(f"spec.source: {m.get_error()}")
-        return grammar
-
-    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
-        m = self.LLMatcher(self.tok, grammar, log_level=0)
-        mask = np.zeros(self.words, dtype=np.int32)
-        for t in [*ids, self.eos]:
-            m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-            if not _bit(mask, int(t)):  # masked sampling never picks a token the mask refuses
-                return False
-            if int(t) == self.eos:
-                return True
-            if not m.consume_token(int(t)):
-                return False
-        return True
-
-
-class _OutlinesEngine(_Engine):
-    def __init__(self, vocab: Vocab) -> None:
-        from outlines_core import Guide
-
-        self.Guide = Guide
-        self.eos = vocab.eos_ids[0]
-
-    def compile(self, spec: GrammarSpec, maskplug_grammar: Any) -> Any:
-        if maskplug_grammar is None:
-            raise GrammarError("spec: outlines-core's index is built once, by maskplug, and that compile failed")
-        return maskplug_grammar.index  # see the module notes
-
-    def feed(self, grammar: Any, ids: Sequence[int]) -> bool:
-        g = self.Guide(grammar)
-        for t in ids:
-            if int(t) not in set(g.get_tokens()):
-                return False
-            g.advance(int(t))
-        return self.eos in set(g.get_tokens())
-
-
-_ENGINES: dict[str, Callable[[Vocab], _Engine]] = {
-    "xgrammar": _XGrammarEngine,
-    "llguidance": _LLGuidanceEngine,
-    "outlines-core": _OutlinesEngine,
-}
-
-
-def engine_path(name: str, vocab: Vocab) -> _Engine | None:
-    """The engine behind provider ``name`` driven directly (None for ``auto`` and unknown providers)."""
-    make = _ENGINES.get(name)
-    return make(vocab) if make is not None else None
+    ``encoding``: the ``tiktoken`` encoding the driver builds the engine's
+    tokenizer from (default: tekken's, :func:`~maskplug.grammar.vocabs.mistral_tekken_encoding`).
+    """
+    make = get_registry().engine_drivers.get(name)
+    if make is None:
+        return None
+    return cast(EngineDriver, make(vocab, encoding if encoding is not None else mistral_tekken_encoding()))
 
 
 # --------------------------------------------------------------------------
@@ -496,9 +417,12 @@ def run(
                 except Exception as exc:  # the engine's own error, as it reports it
                     theirs.errors[case.id] = f"{type(exc).__name__}: {exc}"
                 else:
-                    theirs.compile_s.append(time.perf_counter() - t0 if name != "outlines-core" else mine.compile_s[-1])
-                    own_cpu = time.process_time() - c0
-                    theirs.compile_cpu_s.append(mine.compile_cpu_s[-1] if name == "outlines-core" else own_cpu)
+                    if eng.shares_compile:  # maskplug's compile is the engine's (see the module notes)
+                        theirs.compile_s.append(mine.compile_s[-1])
+                        theirs.compile_cpu_s.append(mine.compile_cpu_s[-1])
+                    else:
+                        theirs.compile_s.append(time.perf_counter() - t0)
+                        theirs.compile_cpu_s.append(time.process_time() - c0)
                     theirs.compiled += 1
             for i, (valid, _) in enumerate(case.tests):
                 ids = texts[case.id][i]

@@ -64,6 +64,17 @@ def maskplug_register_schedulers(register: Callable[[str, Any], None]) -> None:
 
 
 @hookspec
+def maskplug_register_engine_drivers(register: Callable[[str, Any], None]) -> None:
+    """Register the engines driven directly that ``maskplug conformance`` compares the providers with.
+
+    Call ``register(provider_name, factory)``; ``factory(vocab, encoding)``
+    (``encoding``: the vocabulary's ``tiktoken`` encoding) returns an object
+    with ``compile(spec, grammar)`` and ``feed(compiled, ids) -> bool``; see
+    :class:`maskplug.conformance.EngineDriver`.
+    """
+
+
+@hookspec
 def maskplug_step_end(stats: dict[str, Any]) -> None:
     """Observe one engine step: budget, regime, timings and counts.
 

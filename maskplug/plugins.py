@@ -67,7 +67,7 @@ def _split_env(name: str) -> set[str] | None:
 
 
 class Registry:
-    """Kernel backends, grammar providers and schedulers registered by plugins."""
+    """Kernel backends, grammar providers, schedulers and engine drivers registered by plugins."""
 
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager("maskplug")
@@ -75,6 +75,8 @@ class Registry:
         self.kernels: dict[str, Any] = {}
         self.grammar_providers: dict[str, Callable[..., Any]] = {}
         self.schedulers: dict[str, Callable[..., Any]] = {}
+        #: Per grammar provider name: the factory of its engine driven directly (see :mod:`maskplug.conformance`).
+        self.engine_drivers: dict[str, Callable[..., Any]] = {}
         self.plugins: list[PluginInfo] = []
         #: Environment settings naming something that does not exist (one line each, as warned at load).
         self.config_problems: list[str] = []
@@ -100,6 +102,7 @@ class Registry:
         kernels: dict[str, Any] = {}
         providers: dict[str, Callable[..., Any]] = {}
         scheds: dict[str, Callable[..., Any]] = {}
+        drivers: dict[str, Callable[..., Any]] = {}
         claimed: list[tuple[str, str]] = []
 
         def claim(kind: str, name: str) -> None:
@@ -119,22 +122,20 @@ class Registry:
             claim("kernel", name)  # type: ignore[arg-type]
             kernels[name] = backend  # type: ignore[index]
 
-        def reg_provider(name: str, factory: Callable[..., Any]) -> None:
-            if not callable(factory):
-                raise PluginError(f"{info.name}: grammar provider {name!r}: factory is not callable")
-            claim("grammar provider", name)
-            providers[name] = factory
+        def by_name(kind: str, into: dict[str, Callable[..., Any]]) -> Callable[[str, Callable[..., Any]], None]:
+            def reg(name: str, factory: Callable[..., Any]) -> None:
+                if not callable(factory):
+                    raise PluginError(f"{info.name}: {kind} {name!r}: factory is not callable")
+                claim(kind, name)
+                into[name] = factory
 
-        def reg_scheduler(name: str, factory: Callable[..., Any]) -> None:
-            if not callable(factory):
-                raise PluginError(f"{info.name}: scheduler {name!r}: factory is not callable")
-            claim("scheduler", name)
-            scheds[name] = factory
+            return reg
 
         hooks = {
             "maskplug_register_kernels": reg_kernel,
-            "maskplug_register_grammar_providers": reg_provider,
-            "maskplug_register_schedulers": reg_scheduler,
+            "maskplug_register_grammar_providers": by_name("grammar provider", providers),
+            "maskplug_register_schedulers": by_name("scheduler", scheds),
+            "maskplug_register_engine_drivers": by_name("engine driver", drivers),
         }
         try:
             for hook_name, cb in hooks.items():
@@ -148,6 +149,7 @@ class Registry:
         self.kernels.update(kernels)
         self.grammar_providers.update(providers)
         self.schedulers.update(scheds)
+        self.engine_drivers.update(drivers)
 
     def add_plugin(self, plugin_obj: object, name: str, distribution: str = "", version: str = "") -> None:
         """Register one plugin object (module or instance) and its contributions."""

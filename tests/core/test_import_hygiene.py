@@ -45,14 +45,8 @@ KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
 )
 
 #: Core modules that still import a plugin module (inside a function); each entry is
-#: (file, module). The engine drivers of ``maskplug.conformance`` are to move into
-#: their provider distributions.
-KNOWN_CORE_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("maskplug/conformance.py", "maskplug_xgrammar.provider"),
-        ("maskplug/conformance.py", "maskplug_llguidance.provider"),
-    }
-)
+#: (file, module). None does: the core reaches plugins only through the registry.
+KNOWN_CORE_CROSSINGS: frozenset[tuple[str, str]] = frozenset()
 
 
 def _rel(path: Path) -> str:

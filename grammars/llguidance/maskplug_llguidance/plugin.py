@@ -7,6 +7,7 @@ from typing import Any
 
 import maskplug
 
+from .conformance import LLGuidanceDriver
 from .provider import LLGuidanceProvider
 
 
@@ -14,3 +15,9 @@ from .provider import LLGuidanceProvider
 def maskplug_register_grammar_providers(register: Callable[[str, Any], None]) -> None:
     """Register the ``"llguidance"`` provider (factory: ``LLGuidanceProvider(vocab)``)."""
     register(LLGuidanceProvider.name, LLGuidanceProvider)
+
+
+@maskplug.hookimpl
+def maskplug_register_engine_drivers(register: Callable[[str, Any], None]) -> None:
+    """Register llguidance driven directly, for ``maskplug conformance`` (factory: ``LLGuidanceDriver(vocab, encoding)``)."""
+    register(LLGuidanceProvider.name, LLGuidanceDriver)

@@ -7,6 +7,7 @@ from typing import Any
 
 import maskplug
 
+from .conformance import XGrammarDriver
 from .provider import XGrammarProvider
 
 
@@ -14,3 +15,9 @@ from .provider import XGrammarProvider
 def maskplug_register_grammar_providers(register: Callable[[str, Any], None]) -> None:
     """Register the ``"xgrammar"`` provider (factory: ``XGrammarProvider(vocab)``)."""
     register(XGrammarProvider.name, XGrammarProvider)
+
+
+@maskplug.hookimpl
+def maskplug_register_engine_drivers(register: Callable[[str, Any], None]) -> None:
+    """Register xgrammar driven directly, for ``maskplug conformance`` (factory: ``XGrammarDriver(vocab, encoding)``)."""
+    register(XGrammarProvider.name, XGrammarDriver)
