@@ -216,22 +216,27 @@ def apply_grammar_bitmask(
         BackendUnavailable: the named backend cannot run here, with the reason.
     """
     # ---- logits and bitmask --------------------------------------------------
+    # (Each shape, stride and dtype is read once: at one request these reads are most of the call.)
     if not isinstance(logits, torch.Tensor):
         raise LayoutError(f"logits: expected a torch.Tensor, got {type(logits).__name__}")
-    if logits.ndim != 2:
-        raise LayoutError(f"logits: expected 2-D (rows, vocab), got shape {tuple(logits.shape)}")
+    shape = logits.shape
+    if len(shape) != 2:
+        raise LayoutError(f"logits: expected 2-D (rows, vocab), got shape {tuple(shape)}")
+    num_logits, width = shape
     if logits.dtype not in LOGITS_DTYPES:
         raise LayoutError(f"logits: expected float32, float16 or bfloat16, got {logits.dtype}")
-    # An empty tensor may report any strides; only a non-empty one must be row-major.
-    if logits.shape[0] > 0 and logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise LayoutError(f"logits: expected column stride 1 (rows may be strided), got strides {logits.stride()}")
-    # Rows that share memory (a row stride below the width, e.g. from as_strided or expand)
-    # would be masked through one another: a mask allowing a column in one row could not keep it.
-    if logits.shape[0] > 1 and logits.shape[1] > 0 and logits.stride(0) < logits.shape[1]:
-        raise LayoutError(
-            f"logits: expected rows that do not overlap in memory (row stride >= width {logits.shape[1]}), "
-            f"got strides {logits.stride()}"
-        )
+    if num_logits and width:
+        s0, s1 = logits.stride()
+        # An empty tensor may report any strides; only a non-empty one must be row-major.
+        if width > 1 and s1 != 1:
+            raise LayoutError(f"logits: expected column stride 1 (rows may be strided), got strides {(s0, s1)}")
+        # Rows that share memory (a row stride below the width, e.g. from as_strided or expand)
+        # would be masked through one another: a mask allowing a column in one row could not keep it.
+        if num_logits > 1 and s0 < width:
+            raise LayoutError(
+                f"logits: expected rows that do not overlap in memory (row stride >= width {width}), "
+                f"got strides {(s0, s1)}"
+            )
     if logits.requires_grad and torch.is_grad_enabled():
         # Masking writes in place, outside autograd: refused as torch refuses in-place ops on such tensors.
         raise LayoutError(
@@ -241,14 +246,14 @@ def apply_grammar_bitmask(
     device = logits.device
     if not isinstance(bitmask, torch.Tensor):
         raise LayoutError(f"bitmask: expected a torch.Tensor, got {type(bitmask).__name__}")
-    if bitmask.ndim != 2:
-        raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {tuple(bitmask.shape)}")
+    bshape = bitmask.shape
+    if len(bshape) != 2:
+        raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {tuple(bshape)}")
     if bitmask.dtype != torch.int32:
         raise LayoutError(f"bitmask: expected int32, got {bitmask.dtype}")
     if bitmask.device != device:
         raise LayoutError(f"bitmask: expected device {device} (the logits device), got {bitmask.device}")
-    rows, words = int(bitmask.shape[0]), int(bitmask.shape[1])
-    width = int(logits.shape[1])
+    rows, words = bshape
     if vocab_size is None:
         if 32 * words < width:
             raise LayoutError(
@@ -269,10 +274,10 @@ def apply_grammar_bitmask(
         raise LayoutError(f"tail: expected 'mask' or 'keep', got {tail!r}")
 
     # ---- mapping and offsets -------------------------------------------------
-    checked = _checked_rows(mapping, cu_logits, rows, device, logits.shape[0])
+    checked = _checked_rows(mapping, cu_logits, rows, device, num_logits)
     if checked is not None:
         be = _resolve_cached(backend, device)
-        if rows == 0 or logits.shape[0] == 0 or width == 0:
+        if rows == 0 or num_logits == 0 or width == 0:
             return
         req_list, pos_list, cu_list = checked
         if type(be) is TorchBackend and rows <= FEW_ROWS:
@@ -285,9 +290,9 @@ def apply_grammar_bitmask(
         request, position = mapping._tensors()
         cu = torch.tensor(cu_list, dtype=torch.int32)
     else:
-        request, position, cu = _rows_and_offsets(mapping, cu_logits, rows, device, logits.shape[0])
+        request, position, cu = _rows_and_offsets(mapping, cu_logits, rows, device, num_logits)
         be = _resolve_cached(backend, device)
-        if rows == 0 or logits.shape[0] == 0 or width == 0:
+        if rows == 0 or num_logits == 0 or width == 0:
             return
     be.apply(
         logits,
@@ -329,7 +334,8 @@ def _checked_rows(
     cu = cu_logits.tolist()
     if cu[0] != 0 or cu[-1] > num_logits or cu[-1] > INT32_MAX or any(map(int.__gt__, cu, cu[1:])):
         return None
-    return mapping.request.tolist(), mapping.position.tolist(), cu
+    req, pos = mapping._lists()
+    return req, pos, cu
 
 
 def _rows_and_offsets(

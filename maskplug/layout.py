@@ -254,6 +254,14 @@ class RowMapping:
             return None
         return needs
 
+    def _lists(self) -> tuple[list[int], list[int]]:
+        """``request`` and ``position`` as Python lists (made once; checked mappings only, whose values cannot change)."""
+        t: tuple[list[int], list[int]] | None = self.__dict__.get("_host_lists")
+        if t is None:
+            t = (self.request.tolist(), self.position.tolist())
+            object.__setattr__(self, "_host_lists", t)
+        return t
+
     def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``request`` and ``position`` as host int32 tensors over the same memory (made once; checked mappings only)."""
         t: tuple[torch.Tensor, torch.Tensor] | None = self.__dict__.get("_host_tensors")
