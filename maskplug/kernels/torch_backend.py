@@ -226,10 +226,14 @@ class TorchBackend(BackendBase):
         vocab_size: int,
         mask_tail: bool,
     ) -> None:
-        if request.shape[0] <= FEW_ROWS and self._apply_few(
-            logits, bitmask, request, position, cu_logits, vocab_size, mask_tail
-        ):
-            return
+        if request.shape[0] <= FEW_ROWS:
+            # At one request the numpy calls that find live rows for a whole batch cost several times the
+            # masking itself: a few rows are worked out in Python. Two mask rows aiming at one logits row
+            # (``few is None``, nothing written) take the batch path below, which ANDs them.
+            few = live_rows(request.numpy().tolist(), position.numpy().tolist(), cu_logits.numpy().tolist())
+            if few is not None:
+                mask_rows_cpu(logits, bitmask, few, vocab_size, mask_tail)
+                return
         itype = _NP_INT[INT_VIEW[logits.dtype]]
         req = request.numpy().astype(np.int64)
         pos = position.numpy().astype(np.int64)
@@ -252,29 +256,6 @@ class TorchBackend(BackendBase):
         # Same element size: a bit-pattern view of the logits' own memory, any row stride.
         xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
         _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
-
-    @staticmethod
-    def _apply_few(
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> bool:
-        """A few mask rows: the live rows worked out in Python (:func:`live_rows`), then :func:`mask_rows_cpu`.
-
-        At one request the numpy calls that find live rows for a whole batch
-        cost several times the masking itself. Returns ``False`` (nothing
-        written) when two mask rows aim at one logits row; the batch path then
-        ANDs them.
-        """
-        live = live_rows(request.numpy().tolist(), position.numpy().tolist(), cu_logits.numpy().tolist())
-        if live is None:
-            return False
-        mask_rows_cpu(logits, bitmask, live, vocab_size, mask_tail)
-        return True
 
     # -- CUDA (or any device): no host sync ---------------------------------------
     def _apply_device(
