@@ -16,7 +16,7 @@ import torch
 
 from .spec import GrammarSpec, Vocab
 
-__all__ = ["BatchOps", "ChainOps", "CompiledGrammar", "GrammarProvider", "Matcher"]
+__all__ = ["BatchOps", "ChainOps", "CompiledGrammar", "GrammarProvider", "Matcher", "TreeOps"]
 
 
 @runtime_checkable
@@ -112,3 +112,31 @@ class ChainOps(BatchOps, Protocol):
         threads: int | None = None,
         forced: npt.NDArray[np.bool_] | None = None,
     ) -> list[int]: ...
+
+
+@runtime_checkable
+class TreeOps(BatchOps, Protocol):
+    """Batch operations that also walk whole draft trees in the engine (see :mod:`maskplug.grammar.trees`).
+
+    * ``fill_tree(matcher, next_child, next_sibling, tokens, bitmask)``: one
+      request's draft tree of ``n`` nodes, node 0 the matcher's current state
+      (live, not terminated) and node ``j > 0`` reached from its parent by
+      ``tokens[j]`` (``tokens[0]`` is not fed); ``next_child[j]`` is node
+      ``j``'s first child and ``next_sibling[j]`` its next sibling (-1: none),
+      all three 1-D CPU int64 tensors of ``n`` entries. Row ``j`` of
+      ``bitmask`` (a CPU int32 tensor of ``n`` rows) becomes the mask at node
+      ``j`` for every node the walk reaches; it goes below no token the mask
+      above it refuses and past no accepted stop token, and the rows of the
+      nodes it does not reach may hold anything. The matcher ends where it
+      started, also when it raises. This is xgrammar's
+      ``GrammarMatcher.traverse_draft_tree``, the walk in one native call.
+    """
+
+    def fill_tree(
+        self,
+        matcher: Matcher,
+        next_child: torch.Tensor,
+        next_sibling: torch.Tensor,
+        tokens: torch.Tensor,
+        bitmask: torch.Tensor,
+    ) -> None: ...

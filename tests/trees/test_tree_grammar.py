@@ -26,6 +26,8 @@ from maskplug import (
     grammar_providers,
     reference,
 )
+from maskplug.grammar import Matcher
+from maskplug.grammar.protocols import TreeOps
 from maskplug.grammar_trees import native_tree_walker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "grammars"))
@@ -165,6 +167,100 @@ def test_native_walk_is_used_where_the_engine_has_one() -> None:
     for other in ("llguidance", "outlines-core"):
         if other in PROVIDERS:
             assert native_tree_walker(compiled(other, "spm", GrammarSpec("regex", REGEXES[0])).matcher()) is None
+
+
+class _TreeWalkingOps:
+    """Batch operations that declare :class:`TreeOps`; ``fill_tree`` walks the links with the matcher protocol.
+
+    It writes a row for the nodes it reaches only (others keep what they held),
+    as the protocol allows, and counts its calls.
+    """
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def fill(self, matchers: Any, bitmask: torch.Tensor, rows: Any) -> None:
+        for m, r in zip(matchers, rows, strict=True):
+            m.fill(bitmask, r)
+
+    def accept(self, matchers: Any, tokens: Any) -> list[bool]:
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Any, counts: Any) -> None:
+        for m, n in zip(matchers, counts, strict=True):
+            if n:
+                m.rollback(n)
+
+    def fill_tree(
+        self, matcher: Any, next_child: torch.Tensor, next_sibling: torch.Tensor, tokens: torch.Tensor, bitmask: Any
+    ) -> None:
+        self.calls += 1
+
+        def visit(j: int) -> None:
+            matcher.fill(bitmask, j)
+            c = int(next_child[j])
+            while c >= 0:
+                if matcher.accept(int(tokens[c])):
+                    if not matcher.is_terminated():
+                        visit(c)
+                    matcher.rollback(1)
+                c = int(next_sibling[c])
+
+        visit(0)
+
+
+class _WithTreeOps:
+    """A provider's matcher offered with :class:`_TreeWalkingOps` as its batch operations."""
+
+    def __init__(self, inner: Matcher, ops: _TreeWalkingOps) -> None:
+        self.inner = inner
+        self.vocab = getattr(inner, "vocab", None)
+        self.batch_ops = ops
+
+    def accept(self, token: int) -> bool:
+        return self.inner.accept(token)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        return self.inner.fill(bitmask, row)
+
+    def rollback(self, n: int) -> None:
+        self.inner.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def validate(self, tokens: Any) -> int:
+        return self.inner.validate(tokens)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def fork(self) -> Matcher:
+        return self.inner.fork()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("strategy", ["auto", "native", "walk"])
+def test_declared_tree_ops_are_the_native_walk(provider: str, strategy: str) -> None:
+    """Batch operations that are a TreeOps walk their requests' trees, with the replay oracle's rows."""
+    ops = _TreeWalkingOps()
+    assert isinstance(ops, TreeOps)
+    rng = random.Random(hash((provider, strategy, "tree-ops")) & 0xFFFF)
+    walked = 0
+    for _ in range(6):
+        v, tree, rows, matchers, tokens = _case(provider, rng, "ragged", rng.choice(["any", "star"]))
+        wrapped = [_WithTreeOps(m, ops) for m in matchers]
+        assert all(native_tree_walker(m) is not None for m in wrapped)
+        before = ops.calls
+        _check(v, tree, rows, wrapped, tokens, strategy)
+        # One engine walk per live request with nodes, unless the depth-first walk was asked for.
+        idx = rows.batch_indices(tree.layout)
+        live = sum(1 for g, m in enumerate(matchers) if tree.layout.num_drafts[idx[g]] and not m.is_terminated())
+        chain = strategy == "auto" and tree.layout.num_bonus >= 1 and bool(tree.is_chain[idx].all())
+        expect = 0 if strategy == "walk" or chain else live
+        assert ops.calls - before == expect
+        walked += ops.calls - before
+    assert walked or strategy == "walk" or not PROVIDERS
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
