@@ -8,6 +8,7 @@ provider and on the SDK's pure-Python provider of ``test_grammar_sdk``.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import threading
@@ -427,3 +428,76 @@ def test_two_threads_racing_on_one_matcher_never_corrupt_it(provider: str) -> No
     assert not errors, errors[:3]
     assert counts["ok"] + counts["refused"] == 180 and counts["ok"] > 0
     assert [state_of(m, case.v, p) for m, p in zip(case.ms, case.probes, strict=True)] == states0
+
+
+class _RollbackFails:
+    """Batch operations as loops over the matchers whose batch ``rollback`` raises before moving any."""
+
+    def fill(self, matchers: Sequence[Any], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        for m, r in zip(matchers, rows, strict=True):
+            m.fill(bitmask, r)
+
+    def accept(self, matchers: Sequence[Any], tokens: Sequence[int]) -> list[bool]:
+        return [m.accept(int(t)) for m, t in zip(matchers, tokens, strict=True)]
+
+    def rollback(self, matchers: Sequence[Any], counts: Sequence[int]) -> None:
+        raise RuntimeError("the batch rollback is out of order")
+
+
+class _OnOps:
+    """A provider's matcher offered with other batch operations."""
+
+    def __init__(self, inner: Any, ops: Any) -> None:
+        self.inner, self.batch_ops, self.vocab = inner, ops, inner.vocab
+
+    def accept(self, token: int) -> bool:
+        return bool(self.inner.accept(token))
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        return bool(self.inner.fill(bitmask, row))
+
+    def rollback(self, n: int) -> None:
+        self.inner.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+    def validate(self, tokens: Sequence[int]) -> int:
+        return int(self.inner.validate(tokens))
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def fork(self) -> Matcher:
+        return _OnOps(self.inner.fork(), self.batch_ops)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_a_batch_rollback_that_raises_is_logged_and_undone_one_at_a_time(
+    provider: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing fails: each matcher is rolled back by itself, the warning names the operation and the count."""
+    v = vocab("spm")
+    rng = random.Random(5)
+    inner = [compiled(provider, "spm", GrammarSpec("regex", REGEXES[g % len(REGEXES)])).matcher() for g in range(3)]
+    drafts = [random_walk(m, v, rng, 3, stop=False) for m in inner]
+    lay = ScheduledLayout(["a", "b", "c"], [len(d) for d in drafts], [1, 1, 1])
+    rows = GrammarRows(["a", "b", "c"])
+    probes = [[*d, 0] for d in drafts]
+    before = [state_of(m, v, p) for m, p in zip(inner, probes, strict=True)]
+    want_bm = v.new_bitmask(rows.num_rows(lay))
+    want = fill_draft_masks(inner, drafts, want_bm, rows, lay, strategy="serial")
+    ops = _RollbackFails()
+    bm = v.new_bitmask(rows.num_rows(lay))
+    with caplog.at_level(logging.WARNING, logger="maskplug.draft"):
+        got = fill_draft_masks([_OnOps(m, ops) for m in inner], drafts, bm, rows, lay, strategy="batch")
+    assert not got.failed
+    assert torch.equal(bm, want_bm)
+    assert got.acceptable.tolist() == want.acceptable.tolist() and got.forced.tolist() == want.forced.tolist()
+    assert [state_of(m, v, p) for m, p in zip(inner, probes, strict=True)] == before
+    moved = sum(1 for a in want.acceptable.tolist() if a)
+    logged = [r.getMessage() for r in caplog.records if r.name == "maskplug.draft"]
+    assert logged == [
+        f"_RollbackFails.rollback raised RuntimeError for {moved} grammar requests "
+        "(the batch rollback is out of order); rolling them back one at a time"
+    ]
