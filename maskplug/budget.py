@@ -341,22 +341,36 @@ def grammar_confidences(conf: FloatArray, layout: ScheduledLayout, grammar: Draf
     out = np.array(conf, dtype=np.float64, copy=True)
     if out.ndim != 2 or out.shape[0] != layout.n:
         raise BudgetError(f"conf: expected shape ({layout.n}, max_drafts), got {out.shape}")
-    req = grammar.request
-    if req.size == 0:
+    if grammar.request.size == 0:
         return out
-    acc = grammar.acceptable
-    k = out.shape[1]
-    cols = np.arange(k)[None, :]
-    rejected = cols >= acc[:, None]
-    forced = np.zeros((req.shape[0], k), dtype=bool)
-    f = grammar.forced
-    w = min(k, f.shape[1])
-    forced[:, :w] = f[:, :w]
-    rows = out[req]
-    rows = np.where(forced & ~rejected, 1.0, rows)
-    rows = np.where(rejected, 0.0, rows)
-    out[req] = rows
+    over = _grammar_override(grammar, layout.n, out.shape[1])
+    np.copyto(out, over, where=~np.isnan(over))
     return out
+
+
+def _grammar_override(grammar: DraftMasks, n: int, k: int) -> FloatArray:
+    """What the grammar says of each draft's confidence, ``(n, k)``: 0, 1, or NaN where it says nothing.
+
+    A draft the grammar rejects (and every later one) is 0; a draft it accepts
+    at a position that allows exactly one token is 1. The one statement of the
+    grammar correction, for the host survivals (:func:`grammar_confidences`)
+    and the live ones on the device (:func:`allocate_step`). ``grammar`` is
+    already checked against the step's layout.
+    """
+    over = np.full((n, k), np.nan, dtype=np.float64)
+    req = grammar.request
+    if req.size == 0 or k == 0:
+        return over
+    cols = np.arange(k)[None, :]
+    acc = np.asarray(grammar.acceptable, dtype=np.int64)[:, None]
+    forced = np.zeros((req.shape[0], k), dtype=bool)
+    w = min(k, grammar.forced.shape[1])
+    forced[:, :w] = grammar.forced[:, :w]
+    rows = over[req]
+    rows[forced & (cols < acc)] = 1.0
+    rows[cols >= acc] = 0.0
+    over[req] = rows
+    return over
 
 
 def survival(conf: FloatArray, num_drafts: npt.NDArray[np.int64]) -> FloatArray:
@@ -663,19 +677,7 @@ def allocate_step(
     room = int(lim.sum())
     n, k = confidences.shape
     # Host-built override: NaN keeps the live value, 0/1 replace it.
-    over = np.full((n, k), np.nan, dtype=np.float32)
-    if k:
-        g = step.grammar
-        req = np.asarray(g.request, dtype=np.int64)
-        cols = np.arange(k)[None, :]
-        acc = np.asarray(g.acceptable, dtype=np.int64)[:, None]
-        f = np.zeros((req.shape[0], k), dtype=bool)
-        w = min(k, g.forced.shape[1])
-        f[:, :w] = g.forced[:, :w]
-        rows = over[req]
-        rows[f & (cols < acc)] = 1.0
-        rows[cols >= acc] = 0.0
-        over[req] = rows
+    over = _grammar_override(step.grammar, n, k)
     dev = confidences.device
     t = torch.from_numpy(over)
     if dev.type == "cuda":
