@@ -9,17 +9,32 @@ made once per process, the engine's own attribute stays reachable
 not match the tested source) is a :class:`~maskplug.PluginError` naming it,
 and :meth:`PatchSet.uninstall` puts everything back in reverse order.
 :func:`wraps` marks a wrapper with the engine function it wraps.
+
+Every adapter also wraps maskplug's matchers in the engine's own grammar
+object, and a grammar that fails must fail its request alone:
+:class:`GuardedGrammar` holds that failure handling (the error, the
+matcher never called again, the stop-only rows, the stand-in matcher the
+mask-row producers get). :func:`fill_windows_serially` is the producer's
+serial walk for an engine's hot path with a few requests, whose inputs the
+adapter has already checked.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ..errors import PluginError
+import numpy as np
+import torch
 
-__all__ = ["PatchSet", "wraps"]
+from ..draftmasks import DraftMasks
+from ..errors import GrammarError, PluginError
+from ..grammar.draft import _Plan, _produce, _Walk
+from ..grammar.jobs import claim, release
+from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
+
+__all__ = ["GuardedGrammar", "PatchSet", "fill_windows_serially", "wraps"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,3 +106,181 @@ class PatchSet:
             for owner, attr, value in list(self._originals.values())[::-1]:
                 setattr(owner, attr, value)
             self._originals.clear()
+
+
+class GuardedGrammar:
+    """Failure handling for an engine's grammar object on a maskplug matcher (a mixin).
+
+    Put it before the engine's base class (``class Grammar(GuardedGrammar,
+    EngineGrammar)``); the subclass sets :attr:`matcher` and :attr:`vocab`.
+    A grammar fails through :meth:`fail`: a producer reported it
+    (:attr:`maskplug.DraftMasks.failed`), or its matcher raised inside one of
+    the subclass's methods, which report it with :meth:`_raised`. From then
+    on :attr:`error` holds the :class:`~maskplug.GrammarError`, the matcher
+    is not called again, :meth:`is_terminated` is False (the request still
+    needs rows), :meth:`fill_row` writes the rows that allow only the
+    stop tokens and :meth:`producer_matcher` hands the producers a stand-in
+    that raises the error, so they give the request the stop-only rows and
+    report it again. How the request then ends is the engine's: the
+    subclass names it in :meth:`_describe` and acts in :meth:`_failed_now`.
+
+    Attributes:
+        matcher: the request's maskplug matcher.
+        vocab: the vocabulary whose stop tokens a failed grammar's rows allow
+            (``None``: no stop tokens known; the rows stay all-allowed).
+        error: the error the grammar failed with (``None`` while it serves).
+    """
+
+    matcher: Matcher
+    vocab: Vocab | None
+    error: GrammarError | None = None
+    _failed: FailedMatcher | None = None
+    _stop: torch.Tensor | None = None
+
+    def _describe(self, text: str) -> str:
+        """The failure text as the error states it (a subclass adds the request or the grammar)."""
+        return text
+
+    def _failed_now(self, error: GrammarError) -> None:
+        """Called once, right after the grammar failed with ``error`` (a subclass logs or reports it)."""
+
+    def fail(self, error: BaseException) -> None:
+        """Fail this grammar with ``error`` (a no-op once failed); the matcher is not called again.
+
+        A :class:`~maskplug.GrammarError` keeps its text; any other exception
+        is reported as raised by the matcher. The stored error's cause is
+        ``error``.
+        """
+        if self.error is not None:
+            return
+        text = (
+            str(error)
+            if isinstance(error, GrammarError)
+            else f"the matcher raised {type(error).__name__}: {brief_error(error)}"
+        )
+        err = GrammarError(self._describe(text))
+        err.__cause__ = error
+        self.error = err
+        self._failed_now(err)
+
+    def _raised(self, exc: Exception, doing: str) -> None:
+        """Fail the grammar because its matcher raised ``exc`` while ``doing`` something."""
+        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {brief_error(exc)}")
+        err.__cause__ = exc
+        self.fail(err)
+
+    def is_terminated(self) -> bool:
+        """Whether a stop token was accepted (False once failed: its stop-only rows are still needed)."""
+        if self.error is not None:
+            return False
+        try:
+            return bool(self.matcher.is_terminated())
+        except Exception as exc:
+            self._raised(exc, "is_terminated")
+            return False
+
+    def producer_matcher(self) -> Matcher:
+        """The matcher a mask-row producer gets: the real one, or once failed a stand-in that raises its error."""
+        if self.error is None:
+            return self.matcher
+        if self._failed is None:
+            self._failed = FailedMatcher(self.vocab, self.error)
+        return self._failed
+
+    def fill_row(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the grammar's allowed tokens into ``bitmask[index]``: the matcher's row, or the stop-only row.
+
+        The stop-only row once the grammar failed, and when the matcher
+        raises while filling (the grammar then fails).
+        """
+        if self.error is None:
+            try:
+                self.matcher.fill(bitmask, index)
+                return
+            except Exception as exc:
+                self._raised(exc, f"filling mask row {index}")
+        self.fill_stop_row(bitmask, index)
+
+    def fill_stop_row(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the row allowing only the stop tokens into ``bitmask[index]`` (on the bitmask's device)."""
+        row = bitmask[index]
+        if self.vocab is None:
+            # No vocabulary to read the stop tokens from: the row stays open (a
+            # row allowing nothing cannot be sampled); the error ends the request.
+            row.fill_(-1)
+            return
+        if self._stop is None:
+            self._stop = stop_row(self.vocab)
+        w = min(int(row.shape[0]), int(self._stop.shape[0]))
+        row.zero_()
+        row[:w] = self._stop[:w].to(row.device)
+
+
+_EOS: dict[int, tuple[Vocab, frozenset[int]]] = {}
+
+
+def _eos_of(vocab: Vocab) -> frozenset[int]:
+    # The stop set of each vocabulary, made once (a step's requests share a few vocabularies).
+    hit = _EOS.get(id(vocab))
+    if hit is None or hit[0] is not vocab:
+        if len(_EOS) > 64:
+            _EOS.clear()
+        hit = _EOS[id(vocab)] = (vocab, frozenset(vocab.eos_ids))
+    return hit[1]
+
+
+def fill_windows_serially(
+    matchers: Sequence[Matcher],
+    windows: Sequence[Sequence[int]],
+    row0: Sequence[int],
+    bitmask: torch.Tensor,
+    total: int,
+) -> DraftMasks:
+    """:func:`maskplug.fill_draft_masks` with ``strategy="serial"``, on inputs the caller has checked.
+
+    The same walk, fault handling and result as that call, without what it
+    spends on general input (no layout, row mapping, draft-matrix or bitmask
+    checks), for an engine's hot path with a few requests. Request ``g``'s
+    rows are ``row0[g]`` to ``row0[g] + len(windows[g])`` (its drafts' rows
+    and its bonus row); ``total`` is the number of rows the step spans, and
+    the rows below it that no request owns come out all-allowed (the
+    producer's tail, as for the rows of drafts it does not reach). The
+    matchers are claimed for the call.
+
+    The caller guarantees, as :func:`maskplug.fill_draft_masks` would check:
+    ``matchers`` are distinct :class:`~maskplug.grammar.Matcher` objects,
+    each with a ``vocab`` of the same mask width; every draft id lies in
+    ``[0, vocab_size)``; the rows of different requests do not overlap and
+    lie below ``total``; ``bitmask`` passes
+    :func:`maskplug.grammar.sdk.check_bitmask` for row ``total - 1``.
+
+    Raises:
+        MatcherInUse: another thread's call holds one of the matchers.
+    """
+    g_count = len(matchers)
+    vocabs = [m.vocab for m in matchers]  # type: ignore[attr-defined]
+    counts = np.array([len(w) for w in windows], dtype=np.int64)
+    drafts = np.full((g_count, int(counts.max()) if g_count else 0), -1, dtype=np.int64)
+    for g, w in enumerate(windows):
+        if len(w):
+            drafts[g, : len(w)] = w
+    walk = _Walk(
+        matchers,
+        drafts,
+        counts,
+        counts + 1,
+        np.zeros(g_count, dtype=np.int64),
+        np.array(row0, dtype=np.int64),
+        [_eos_of(v) for v in vocabs],
+        bitmask,
+        total,
+        vocabs,
+        {},
+        arg="drafts",
+    )
+    keys = [id(m) for m in matchers]
+    held = claim(matchers, keys, "matchers")
+    try:
+        return _produce(_Plan(walk, keys, np.arange(g_count, dtype=np.int64), walk.row0, "serial", 1))
+    finally:
+        release(held)

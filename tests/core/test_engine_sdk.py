@@ -1,13 +1,24 @@
-"""The engine SDK's patch bookkeeping (maskplug.engines.sdk): once per process, originals kept, all put back."""
+"""The engine SDK (maskplug.engines.sdk): patch bookkeeping, guarded grammars, the serial window fill."""
 
 from __future__ import annotations
 
 import types
+from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
-from maskplug import PluginError
-from maskplug.engines.sdk import PatchSet, wraps
+from maskplug import GrammarError, GrammarRows, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug.engines.sdk import GuardedGrammar, PatchSet, fill_windows_serially, wraps
+from maskplug.grammar.sdk import (
+    FailedMatcher,
+    GrammarSpec,
+    Vocab,
+    grammar_provider,
+    grammar_providers,
+    stop_row,
+)
 
 
 def _engine() -> types.SimpleNamespace:
@@ -52,3 +63,163 @@ def test_a_missing_attribute_names_it_and_what_was_tested() -> None:
     with pytest.raises(PluginError, match=r"toy internals: expected .*'gone'.*tested with toy 1\.0"):
         ps.replace(eng, "gone", lambda: None)
     assert not ps.installed() and not hasattr(eng, "gone")
+
+
+# -- GuardedGrammar --------------------------------------------------------------------------
+
+
+def _vocab() -> Vocab:
+    tokens = [b"</s>", *(bytes([c]) for c in range(97, 123)), b"ab"]
+    return Vocab(tokens, eos_ids=(0,), vocab_size=len(tokens) + 3)
+
+
+class _Matcher:
+    """Just enough of a matcher for the guard: ``is_terminated`` answers or raises."""
+
+    def __init__(self, vocab: Vocab | None, raises: bool = False) -> None:
+        self.vocab = vocab
+        self.raises = raises
+        self.calls = 0
+
+    def is_terminated(self) -> bool:
+        self.calls += 1
+        if self.raises:
+            raise OSError("the engine fell over")
+        return False
+
+
+class _Grammar(GuardedGrammar):
+    def __init__(self, matcher: Any, vocab: Vocab | None) -> None:
+        self.matcher = matcher
+        self.vocab = vocab
+        self.reported: list[GrammarError] = []
+
+    def _describe(self, text: str) -> str:
+        return f"request 'r1': {text}"
+
+    def _failed_now(self, error: GrammarError) -> None:
+        self.reported.append(error)
+
+
+def test_a_guarded_grammar_fails_once_and_never_calls_its_matcher_again() -> None:
+    v = _vocab()
+    m = _Matcher(v, raises=True)
+    g = _Grammar(m, v)
+    assert g.error is None and g.producer_matcher() is m
+    # The matcher raises: the grammar fails (named by the subclass), reported once.
+    assert g.is_terminated() is False
+    assert isinstance(g.error, GrammarError) and m.calls == 1
+    assert str(g.error) == "request 'r1': the matcher raised OSError in is_terminated: the engine fell over"
+    assert isinstance(g.error.__cause__, GrammarError) and isinstance(g.error.__cause__.__cause__, OSError)
+    assert g.reported == [g.error]
+    # Failed: no more matcher calls, a second failure changes nothing.
+    first = g.error
+    assert g.is_terminated() is False and m.calls == 1
+    g.fail(ValueError("later"))
+    assert g.error is first and g.reported == [first]
+    # The producers get a stand-in that raises the error (the same one every time).
+    stand_in = g.producer_matcher()
+    assert stand_in is g.producer_matcher() and stand_in is not m
+    with pytest.raises(GrammarError, match="the engine fell over"):
+        stand_in.fill(v.new_bitmask(1), 0)
+
+
+def test_fail_keeps_a_grammar_error_text_and_names_other_exceptions() -> None:
+    v = _vocab()
+    g = _Grammar(_Matcher(v), v)
+    g.fail(GrammarError("token 7 refused"))
+    assert str(g.error) == "request 'r1': token 7 refused"
+    h = _Grammar(_Matcher(v), v)
+    cause = KeyError("state")
+    h.fail(cause)
+    assert h.error is not None and h.error.__cause__ is cause
+    assert str(h.error) == "request 'r1': the matcher raised KeyError: 'state'"
+
+
+def test_the_stop_row_allows_only_the_stop_tokens_or_everything_without_a_vocabulary() -> None:
+    v = _vocab()
+    g = _Grammar(_Matcher(v), v)
+    bm = torch.zeros((3, v.mask_words), dtype=torch.int32)
+    g.fill_stop_row(bm, 1)
+    assert torch.equal(bm[1], stop_row(v)) and not bm[0].any() and not bm[2].any()
+    # A narrower row takes the words it has.
+    narrow = torch.full((1, 1), -1, dtype=torch.int32)
+    g.fill_stop_row(narrow, 0)
+    assert torch.equal(narrow[0], stop_row(v)[:1])
+    # Without a vocabulary there are no stop tokens to allow: the row stays open.
+    blind = _Grammar(_Matcher(None), None)
+    blind.fill_stop_row(bm, 2)
+    assert bool((bm[2] == -1).all())
+
+
+# -- fill_windows_serially --------------------------------------------------------------------
+
+
+def _matchers(v: Vocab, n: int) -> list[Any]:
+    providers = grammar_providers()
+    if not providers:
+        pytest.skip("no grammar provider is installed")
+    compiled = grammar_provider(providers[0], v).compile(GrammarSpec("regex", "[a-c]{1,4}"))
+    return [compiled.matcher() for _ in range(n)]
+
+
+def test_fill_windows_serially_writes_what_the_serial_producer_writes() -> None:
+    v = _vocab()
+    a, b, c, x = (v.tokens.index(t) for t in (b"a", b"b", b"c", b"x"))
+    windows = [[a, b], [], [x, a], [c, c, c, c, c], [a, 0, b]]
+    n = len(windows)
+    ids = [f"r{i}" for i in range(n)]
+    counts = np.array([len(w) for w in windows], dtype=np.int64)
+    total = int(counts.sum()) + n
+    want = torch.zeros((total, v.mask_words), dtype=torch.int32)
+    ms = _matchers(v, n)
+    # One request's grammar has already failed: its stand-in raises, the others go on.
+    ms[2] = FailedMatcher(v, GrammarError("earlier failure"))
+    flat = np.array([t for w in windows for t in w], dtype=np.int64)
+    ref = fill_draft_masks(
+        ms, flat, want, GrammarRows(ids), ScheduledLayout(ids, counts, np.ones(n, np.int64)), strategy="serial"
+    )
+    got = torch.zeros_like(want)
+    row0 = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).tolist()
+    dm = fill_windows_serially(ms, windows, row0, got, total)
+    assert torch.equal(got, want)
+    assert dm.acceptable.tolist() == ref.acceptable.tolist() and sorted(dm.failed) == sorted(ref.failed) == [2]
+    # The matchers are back where they started.
+    assert all(not m.is_terminated() for i, m in enumerate(ms) if i != 2)
+
+
+def test_fill_windows_serially_opens_the_rows_between_windows() -> None:
+    v = _vocab()
+    a, b = v.tokens.index(b"a"), v.tokens.index(b"b")
+    ms = _matchers(v, 2)
+    # Request 0's rows are 0..2, request 1's 5..6; rows 3 and 4 belong to nobody, row 7 is past the step.
+    bm = torch.full((8, v.mask_words), 0x5A5A5A5A, dtype=torch.int32)
+    dm = fill_windows_serially(ms, [[a, b], [b]], [0, 5], bm, 7)
+    assert bool((bm[3:5] == -1).all()) and bool((bm[7] == 0x5A5A5A5A).all())
+    alone = torch.zeros((2, v.mask_words), dtype=torch.int32)
+    fill_windows_serially(ms[1:], [[b]], [0], alone, 2)
+    assert torch.equal(bm[5:7], alone) and dm.acceptable.tolist() == [2, 1]
+
+
+def test_fill_row_writes_the_matchers_row_until_the_matcher_raises() -> None:
+    v = _vocab()
+
+    class Filling(_Matcher):
+        def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+            if self.raises:
+                raise RuntimeError("no state")
+            bitmask[row] = 7
+            return True
+
+    m = Filling(v)
+    g = _Grammar(m, v)
+    bm = torch.zeros((2, v.mask_words), dtype=torch.int32)
+    g.fill_row(bm, 0)
+    assert bool((bm[0] == 7).all()) and g.error is None
+    m.raises = True
+    g.fill_row(bm, 1)
+    assert torch.equal(bm[1], stop_row(v)) and "in filling mask row 1: no state" in str(g.error)
+    # Failed: the matcher is not asked again, even once it could answer.
+    m.raises = False
+    g.fill_row(bm, 0)
+    assert torch.equal(bm[0], stop_row(v))
