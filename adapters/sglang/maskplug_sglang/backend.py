@@ -50,20 +50,18 @@ from sglang.srt.constrained.base_grammar_backend import (
 
 import maskplug
 from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug.engines.sdk import GuardedGrammar
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
-    FailedMatcher,
     GrammarProvider,
     GrammarSpec,
     Matcher,
     Vocab,
-    brief_error,
     check_bitmask,
     check_token,
     grammar_provider,
     grammar_providers,
-    stop_row,
 )
 
 from .vocab import vocab_from_tokenizer
@@ -188,16 +186,31 @@ def apply_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, backend: str = "a
     )
 
 
-class MaskplugGrammar(BaseGrammarObject):
+class _VocabMaskOps:
+    """The mask operations SGLang calls on both its grammar objects and its grammar backend."""
+
+    @staticmethod
+    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
+        """The mask on ``device``, copied without blocking the host."""
+        return vocab_mask.to(device, non_blocking=True)
+
+    @staticmethod
+    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
+        """Mask ``logits`` in place with maskplug's kernels (see :func:`apply_mask`)."""
+        apply_mask(logits, vocab_mask)
+
+
+class MaskplugGrammar(GuardedGrammar, _VocabMaskOps, BaseGrammarObject):
     """One request's grammar: SGLang's ``BaseGrammarObject`` on a maskplug matcher.
 
     A grammar can fail: a producer reports it (:attr:`maskplug.DraftMasks.failed`,
     see :func:`fill_draft_chains` and :func:`maskplug_sglang.dspark.fill_verify_rows`),
     or its matcher raises inside one of the methods below. It then holds the
     :class:`~maskplug.GrammarError` in :attr:`error` and never calls its
-    matcher again: its mask rows allow only the stop tokens and it walks no
-    draft. The request ends with that error as its abort message, once:
-    either a producer that knows the request aborts it
+    matcher again (:class:`maskplug.engines.sdk.GuardedGrammar`): its mask
+    rows allow only the stop tokens and it walks no draft. The request ends
+    with that error as its abort message, once: either a producer that
+    knows the request aborts it
     (:func:`abort_failed_requests`), or the next :meth:`accept_token`
     raises the error as a ``ValueError``, which every SGLang commit path
     turns into ``FINISH_ABORT`` with the message (logged with the request
@@ -217,6 +230,8 @@ class MaskplugGrammar(BaseGrammarObject):
         matcher: the matcher to use (default: a fresh one from ``compiled``).
     """
 
+    vocab: Vocab
+
     def __init__(
         self,
         compiled: Any,
@@ -234,40 +249,15 @@ class MaskplugGrammar(BaseGrammarObject):
         self.num_accepted = 0
         self.error: GrammarError | None = None
         self.error_reported = False
-        self._failed: FailedMatcher | None = None
-        self._stop: torch.Tensor | None = None
 
     # -- failure -------------------------------------------------------------------
-    def fail(self, error: BaseException) -> None:
-        """Fail this grammar with ``error`` (a no-op once failed); the matcher is not called again."""
-        if self.error is not None:
-            return
-        text = (
-            str(error)
-            if isinstance(error, GrammarError)
-            else f"the matcher raised {type(error).__name__}: {brief_error(error)}"
-        )
-        err = GrammarError(f"{text} (grammar key {' '.join(self._short_key().split())})")
-        err.__cause__ = error
-        self.error = err
+    def _describe(self, text: str) -> str:
+        return f"{text} (grammar key {' '.join(self._short_key().split())})"
 
     @property
     def abort_message(self) -> str | None:
         """The request's abort message once the grammar failed."""
         return None if self.error is None else f"{ERROR_PREFIX}{self.error}"
-
-    def _raised(self, exc: Exception, doing: str) -> None:
-        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {brief_error(exc)}")
-        err.__cause__ = exc
-        self.fail(err)
-
-    def _stop_row(self, vocab_mask: torch.Tensor, idx: int) -> None:
-        if self._stop is None:
-            self._stop = stop_row(self.vocab)
-        row = vocab_mask[idx]
-        w = min(int(row.shape[0]), int(self._stop.shape[0]))
-        row.zero_()
-        row[:w] = self._stop[:w].to(row.device)
 
     # -- tokens ------------------------------------------------------------------
     def accept_token(self, token: int) -> None:
@@ -314,16 +304,6 @@ class MaskplugGrammar(BaseGrammarObject):
             return
         self.num_accepted -= int(k)
 
-    def is_terminated(self) -> bool:
-        """Whether a stop token was accepted (False once failed: its stop-only rows are still needed)."""
-        if self.error is not None:
-            return False
-        try:
-            return bool(self.matcher.is_terminated())
-        except Exception as exc:
-            self._raised(exc, "is_terminated")
-            return False
-
     # -- masks -------------------------------------------------------------------
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
         """An all-allowed host bitmask of ``batch_size`` rows for this grammar's vocabulary.
@@ -347,13 +327,7 @@ class MaskplugGrammar(BaseGrammarObject):
         before anything is written (the caller's error, not the grammar's).
         """
         check_bitmask(vocab_mask, idx, self.vocab)
-        if self.error is None:
-            try:
-                self.matcher.fill(vocab_mask, idx)
-                return
-            except Exception as exc:
-                self._raised(exc, f"filling mask row {idx}")
-        self._stop_row(vocab_mask, idx)
+        self.fill_row(vocab_mask, idx)
 
     @staticmethod
     def fill_vocab_mask_batched(entries: list[GrammarRow], vocab_mask: torch.Tensor) -> None:
@@ -391,16 +365,6 @@ class MaskplugGrammar(BaseGrammarObject):
     def reset_vocab_mask(vocab_mask: torch.Tensor) -> None:
         """Back to all-allowed."""
         vocab_mask.fill_(-1)
-
-    @staticmethod
-    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
-        """The mask on ``device``, copied without blocking the host."""
-        return vocab_mask.to(device, non_blocking=True)
-
-    @staticmethod
-    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-        """Mask ``logits`` in place with maskplug's kernels (see :func:`apply_mask`)."""
-        apply_mask(logits, vocab_mask)
 
     # -- lifecycle -----------------------------------------------------------------
     def copy(self) -> MaskplugGrammar:
@@ -497,14 +461,6 @@ class MaskplugGrammar(BaseGrammarObject):
         for t in new_output_ids[k:]:
             self.accept_token(int(t))
 
-    def producer_matcher(self) -> Matcher:
-        """The matcher a mask-row producer gets: the real one, or once failed a stand-in that raises its error."""
-        if self.error is None:
-            return self.matcher
-        if self._failed is None:
-            self._failed = FailedMatcher(self.vocab, self.error)
-        return self._failed
-
     def _short_key(self) -> str:
         key = self.key_string or "?"
         return key if len(key) <= 80 else key[:77] + "..."
@@ -552,6 +508,27 @@ def abort_failed_requests(reqs: Sequence[Any]) -> list[Any]:
     return aborted
 
 
+def _window_batch(
+    grammars: Sequence[MaskplugGrammar | None], draft_tokens: np.ndarray, vocab_mask: torch.Tensor
+) -> tuple[int, int, list[MaskplugGrammar | None], list[int]]:
+    """``(batch, W, grammars, live)`` of a step of SGLang windows; ``live``: the requests with an unterminated grammar.
+
+    Raises:
+        LayoutError: not one grammar entry per row of ``draft_tokens`` (``(batch, W)``), or
+            ``vocab_mask`` without ``batch × W`` rows.
+    """
+    batch, width = int(draft_tokens.shape[0]), int(draft_tokens.shape[1])
+    gs = list(grammars)
+    if len(gs) != batch:
+        raise LayoutError(f"grammars: expected one entry per request ({batch}), got {len(gs)}")
+    if vocab_mask.ndim != 2 or vocab_mask.shape[0] < batch * width:
+        raise LayoutError(
+            f"vocab_mask: expected at least batch × W = {batch * width} rows, got shape {tuple(vocab_mask.shape)}"
+        )
+    live = [i for i, g in enumerate(gs) if g is not None and not g.is_terminated()]
+    return batch, width, gs, live
+
+
 def fill_draft_chains(
     grammars: Sequence[MaskplugGrammar | None], draft_tokens: Any, vocab_mask: torch.Tensor
 ) -> np.ndarray:
@@ -580,15 +557,7 @@ def fill_draft_chains(
     dt = draft_tokens.detach().cpu().numpy() if isinstance(draft_tokens, torch.Tensor) else np.asarray(draft_tokens)
     if dt.ndim != 2 or (dt.size and dt.dtype.kind not in "iu"):
         raise LayoutError(f"draft_tokens: expected a 2-D integer array (batch, W), got shape {dt.shape} {dt.dtype}")
-    batch, width = int(dt.shape[0]), int(dt.shape[1])
-    gs = list(grammars)
-    if len(gs) != batch:
-        raise LayoutError(f"grammars: expected one entry per request ({batch}), got {len(gs)}")
-    if vocab_mask.ndim != 2 or vocab_mask.shape[0] < batch * width:
-        raise LayoutError(
-            f"vocab_mask: expected at least batch × W = {batch * width} rows, got shape {tuple(vocab_mask.shape)}"
-        )
-    active = [i for i, g in enumerate(gs) if g is not None and not g.is_terminated()]
+    batch, width, gs, active = _window_batch(grammars, dt, vocab_mask)
     acceptable = np.full(batch, -1, dtype=np.int64)
     if not active or width == 0:
         return acceptable
@@ -611,7 +580,7 @@ def fill_draft_chains(
     return acceptable
 
 
-class MaskplugGrammarBackend(BaseGrammarBackend):
+class MaskplugGrammarBackend(_VocabMaskOps, BaseGrammarBackend):
     """SGLang's grammar backend on a maskplug grammar provider.
 
     Args:
@@ -690,16 +659,6 @@ class MaskplugGrammarBackend(BaseGrammarBackend):
     def allocate_vocab_mask(self, vocab_size: int, batch_size: int, device: Any) -> torch.Tensor:
         """An all-allowed host bitmask (see :meth:`MaskplugGrammar.allocate_vocab_mask`)."""
         return allocate_mask(vocab_size, batch_size)
-
-    @staticmethod
-    def move_vocab_mask(vocab_mask: torch.Tensor, device: Any) -> torch.Tensor:
-        """The mask on ``device``, copied without blocking the host."""
-        return vocab_mask.to(device, non_blocking=True)
-
-    @staticmethod
-    def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
-        """Mask ``logits`` in place (see :func:`apply_mask`)."""
-        apply_mask(logits, vocab_mask)
 
     @property
     def is_support_token_filter(self) -> bool:

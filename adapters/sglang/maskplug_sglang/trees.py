@@ -31,7 +31,7 @@ import torch
 
 from maskplug import DraftTree, GrammarRows, LayoutError, ScheduledLayout, TreeMasks, fill_tree_masks
 
-from .backend import MaskplugGrammar, fail_grammars
+from .backend import MaskplugGrammar, _window_batch, fail_grammars
 
 __all__ = ["TreeWindows", "fill_draft_trees", "window_tree"]
 
@@ -150,15 +150,7 @@ def fill_draft_trees(
             f"retrieve_next_token, retrieve_next_sibling: expected the shape of draft_tokens {dt.shape}, "
             f"got {nt.shape} and {ns.shape}"
         )
-    batch, width = int(dt.shape[0]), int(dt.shape[1])
-    gs = list(grammars)
-    if len(gs) != batch:
-        raise LayoutError(f"grammars: expected one entry per request ({batch}), got {len(gs)}")
-    if vocab_mask.ndim != 2 or vocab_mask.shape[0] < batch * width:
-        raise LayoutError(
-            f"vocab_mask: expected at least batch × W = {batch * width} rows, got shape {tuple(vocab_mask.shape)}"
-        )
-    active = [i for i, g in enumerate(gs) if g is not None and not g.is_terminated()]
+    batch, width, gs, active = _window_batch(grammars, dt, vocab_mask)
     for i in active:
         if not isinstance(gs[i], MaskplugGrammar):
             raise LayoutError(f"grammars[{i}]: expected a MaskplugGrammar or None, got {type(gs[i]).__name__}")
