@@ -14,7 +14,7 @@ from typing import TextIO
 
 from ..console import Progress
 from ..errors import BackendUnavailable
-from .engine import DEFAULT_SCHEDULERS, SimConfig
+from .config import DEFAULT_SCHEDULERS, SimConfig
 from .run import DemoReport, run_demo
 
 __all__ = ["SWEEP_CONCURRENCY", "plot_demo", "sweep"]

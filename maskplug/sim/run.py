@@ -13,10 +13,13 @@ from ..console import Justify, Progress, render_table
 from ..data.tokenizers import load_tokenizer
 from ..dispatch import resolve_backend
 from ..grammar import grammar_provider
-from .engine import DEFAULT_SCHEDULERS, RunResult, SimConfig, Simulation, Workload, default_cost_model
+from .config import DEFAULT_SCHEDULERS, SimConfig, default_cost_model
+from .engine import Simulation
 from .models import TargetModel, structural_tokens
+from .results import RunResult
 from .tree_drafter import TreeConfig
 from .tree_engine import TreeSimulation, is_tree_scheduler
+from .workload import Workload
 
 __all__ = ["DemoReport", "format_json", "format_table", "run_demo"]
 

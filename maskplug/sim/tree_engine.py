@@ -39,25 +39,22 @@ validated.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from .. import reference
-from ..budget import CostModel
 from ..compaction import regime_of
 from ..dispatch import apply_grammar_bitmask
 from ..errors import BudgetError
 from ..grammar_trees import fill_tree_masks
-from ..layout import GrammarRows, RowMapping, ScheduledLayout
-from ..trees import DraftTree, TreeCompaction, TreeMasks, allocate_tree, choose_tree_budget, compact_tree
-from ..trees import select_subtree as host_select_subtree
-from .engine import RunResult, SimConfig, Simulation, Workload, _Step
-from .models import TargetModel
-from .tree_drafter import TreeConfig, TreeDrafts, draft_trees
+from ..layout import ScheduledLayout
+from ..trees import DraftTree, allocate_tree, choose_tree_budget, compact_tree
+from .checks import tree_layout_problems, tree_mapping_problems
+from .engine import Simulation
+from .stages import TreeBatch, TreeBudget, TreeStepMasks, new_mask_rows, step_requests
+from .tree_drafter import TreeConfig, draft_trees
 
 __all__ = ["TREE_INNER", "TREE_PREFIX", "TREE_SCHEDULERS", "TreeSimulation", "is_tree_scheduler"]
 
@@ -76,72 +73,29 @@ def is_tree_scheduler(name: str) -> bool:
     return isinstance(name, str) and name.startswith(TREE_PREFIX)
 
 
-@dataclass
-class _TreeBatch(_Step):
-    """One tree step's running requests, scheduled layout, draft trees and their node structure.
-
-    Tree steps do not overlap mask production with the forward pass (``ready_s`` stays ``None``).
-    """
-
-    drafts: TreeDrafts
-    tree: DraftTree
-
-
-@dataclass
-class _TreeMasks:
-    g_idx: I64
-    num_rows: int
-    bitmask: torch.Tensor
-    tm: TreeMasks | None
-    mapping: RowMapping
-    #: first scheduled mask row of each grammar request (ragged rows)
-    g_start: I64
-
-
-@dataclass
-class _TreeBudget:
-    b: int
-    cap_max: int
-    max_logits: int | None
-    conf: npt.NDArray[np.float64]
-    keep: npt.NDArray[np.bool_]
-    comp: TreeCompaction
-    live_map: RowMapping
-    regime: str
-
-
 class TreeSimulation(Simulation):
     """One tree scheduler (``tree:INNER``) serving the workload for ``config.steps`` steps.
 
-    Arguments as :class:`~maskplug.sim.Simulation`, plus ``tree``: the tree
-    drafter's shape (default :class:`TreeConfig`, depth = ``config.drafts``).
+    Arguments as :class:`~maskplug.sim.Simulation`, plus ``tree`` (by keyword):
+    the tree drafter's shape (default :class:`TreeConfig`, depth = ``config.drafts``).
     """
 
-    def __init__(
-        self,
-        config: SimConfig,
-        scheduler: str,
-        workload: Workload,
-        target: TargetModel,
-        cost: CostModel,
-        on_step: Callable[[int, RunResult], None] | None = None,
-        structural: npt.NDArray[np.bool_] | None = None,
-        tree: TreeConfig | None = None,
-    ) -> None:
+    def __init__(self, *args: Any, tree: TreeConfig | None = None, **kwargs: Any) -> None:
+        self.tree_cfg = tree if tree is not None else TreeConfig()
+        if not isinstance(self.tree_cfg, TreeConfig):
+            raise BudgetError(f"tree: expected a TreeConfig, got {type(tree).__name__}")
+        super().__init__(*args, **kwargs)
+        self.levels = self.tree_cfg.levels(self.cfg.drafts)
+
+    def _use_scheduler(self, scheduler: str) -> None:
+        """The inner scheduler of ``tree:INNER`` drives the shared parts; the tree budget is chosen here."""
         inner = scheduler[len(TREE_PREFIX) :] if is_tree_scheduler(scheduler) else ""
         if inner not in TREE_INNER:
             names = ", ".join(TREE_PREFIX + s for s in TREE_INNER)
             raise BudgetError(f"scheduler: expected a tree scheduler ({names}), got {scheduler!r}")
-        super().__init__(config, inner, workload, target, cost, on_step, structural)
-        self.name = scheduler
-        self.result = RunResult(scheduler)
-        self.tree_cfg = tree if tree is not None else TreeConfig()
-        if not isinstance(self.tree_cfg, TreeConfig):
-            raise BudgetError(f"tree: expected a TreeConfig, got {type(tree).__name__}")
-        self.levels = self.tree_cfg.levels(config.drafts)
+        super()._use_scheduler(inner)
         self.use_grammar = inner.startswith("grammar-aware:")
         self.verify_all = inner == "verify-all"
-        self._apply_s = 0.0
 
     def step(self, t: int) -> None:
         """Run engine step ``t`` with draft trees, every part checked."""
@@ -149,39 +103,38 @@ class TreeSimulation(Simulation):
         batch = self._tree_draft(t)
         masks = self._tree_masks(batch)
         budget = self._tree_budget(batch, masks)
-        self._tree_check(batch, masks, budget)
+        self._fail(
+            t,
+            tree_layout_problems(
+                batch, masks, budget, self.cost, use_grammar=self.use_grammar, verify_all=self.verify_all
+            ),
+        )
         logits = self._tree_logits(batch, masks, budget)
         paths, final = self._tree_verify(batch, masks, budget, logits)
         emitted, finished = self._tree_commit(batch, masks, paths, final)
         self._retire(batch, finished)
-        self._tree_account(batch, masks, budget, paths, emitted, len(finished))
+        # The forward-pass cost is the chain steps' (verify the kept tokens, plus the drafter when
+        # it drafted); mask production is not overlapped with it.
+        decode = ~batch.prefill
+        accepted = sum(len(p) for r, p in enumerate(paths) if decode[r])
+        self._record(batch, masks, budget, accepted=accepted, emitted=emitted, finished=len(finished))
 
     # ------------------------------------------------------------------ stages
-    def _tree_draft(self, t: int) -> _TreeBatch:
-        q = self._requests(self.levels + 2)
-        rid, length, prefill, on_track, window = q.rid, q.length, q.prefill, q.on_track, q.window
-        levels = np.where(prefill, 0, np.clip(np.minimum(self.levels, q.limit - length - 1), 0, None)).astype(np.int64)
+    def _tree_draft(self, t: int) -> TreeBatch:
+        q = step_requests(self.active, self.levels + 2)
         d = draft_trees(
-            self.cfg.seed, rid, length, window, levels, on_track, q.skill, self.structural, self.first_token, self.V,
-            self.eos, self.tree_cfg,
+            self.cfg.seed, q.rid, q.length, q.window, q.depth(self.levels), q.on_track, q.skill, self.structural,
+            self.first_token, self.V, self.eos, self.tree_cfg,
         )  # fmt: skip
-        num_drafts = d.num_nodes
-        num_non_draft = np.where(prefill, q.prompt, 1).astype(np.int64)
         h0 = time.perf_counter()
-        layout = ScheduledLayout(rid, num_drafts, num_non_draft)
+        layout = ScheduledLayout(q.rid, d.num_nodes, q.non_draft)
         tree = DraftTree(layout, d.parents)
         host = time.perf_counter() - h0
-        return _TreeBatch(
-            **vars(q), t=t, act=self.active, num_drafts=num_drafts, num_non_draft=num_non_draft, layout=layout,
-            drafts=d, tree=tree, host_s=host,
-        )  # fmt: skip
+        return TreeBatch(**vars(q), t=t, act=self.active, layout=layout, drafts=d, tree=tree, host_s=host)
 
-    def _tree_masks(self, batch: _TreeBatch) -> _TreeMasks:
+    def _tree_masks(self, batch: TreeBatch) -> TreeStepMasks:
         h0 = time.perf_counter()
-        g_idx = np.nonzero(batch.has_g)[0]
-        rows = GrammarRows(batch.rid[g_idx])
-        num_rows = rows.num_rows(batch.layout)
-        bitmask = self.vocab.new_bitmask(num_rows)
+        g_idx, rows, bitmask = new_mask_rows(batch, self.vocab)
         tm = None
         if g_idx.size:
             tm = fill_tree_masks(
@@ -191,18 +144,11 @@ class TreeSimulation(Simulation):
         spent = time.perf_counter() - h0
         batch.host_s += spent
         batch.mask_s = spent
-        g_start = np.zeros(g_idx.size + 1, dtype=np.int64)
-        np.cumsum(batch.num_drafts[g_idx] + batch.layout.num_bonus, out=g_start[1:])
-        if len(mapping) != num_rows or bitmask.shape[0] != num_rows:
-            self._fail(batch.t, f"mapping has {len(mapping)} rows, bitmask {bitmask.shape[0]}, producer {num_rows}")
-        ref_map = reference.mapping(rows, batch.layout)
-        if not (
-            np.array_equal(mapping.request, ref_map.request) and np.array_equal(mapping.position, ref_map.position)
-        ):
-            self._fail(batch.t, "tree row mapping differs from maskplug.reference.mapping")
-        return _TreeMasks(g_idx, num_rows, bitmask, tm, mapping, g_start)
+        masks = TreeStepMasks(batch, g_idx, rows.num_rows(batch.layout), bitmask, mapping, tm)
+        self._fail(batch.t, tree_mapping_problems(batch, masks, rows))
+        return masks
 
-    def _tree_budget(self, batch: _TreeBatch, masks: _TreeMasks) -> _TreeBudget:
+    def _tree_budget(self, batch: TreeBatch, masks: TreeStepMasks) -> TreeBudget:
         n, lay = len(batch.act), batch.layout
         h0 = time.perf_counter()
         room = self._token_room(batch.t, batch.num_non_draft)
@@ -220,69 +166,12 @@ class TreeSimulation(Simulation):
         comp = compact_tree(batch.tree, keep)
         live_map = comp.live_mapping(masks.mapping, batch.tree)
         batch.host_s += time.perf_counter() - h0
-        return _TreeBudget(b, cap_max, max_logits, conf, keep, comp, live_map, regime_of(lay, b))
+        regime = regime_of(lay, b)
+        return TreeBudget(b, cap_max, regime, int(comp.cu_logits[-1]), max_logits, conf, keep, comp, live_map)
 
-    def _tree_check(self, batch: _TreeBatch, masks: _TreeMasks, budget: _TreeBudget) -> None:
-        """Budget, kept nodes, compaction and live mapping against :mod:`maskplug.reference` and the host path."""
-        t, tree, lay, b, comp = batch.t, batch.tree, batch.layout, budget.b, budget.comp
-        grammar = masks.tm if self.use_grammar else None
-        if not 0 <= b <= budget.cap_max:
-            self._fail(t, f"budget {b} outside [0, {budget.cap_max}]")
-        if not self.verify_all:
-            ref_b = reference.choose_tree_budget(
-                budget.conf, tree, self.cost, max_logits=budget.max_logits, grammar=grammar
-            ).budget
-            if ref_b != b:
-                self._fail(t, f"tree budget {b} differs from the reference {ref_b}")
-        host_keep = host_select_subtree(budget.conf, tree, b, grammar)
-        if not np.array_equal(host_keep, budget.keep):
-            self._fail(t, "allocate_tree keeps other nodes than select_subtree")
-        ref_keep = reference.select_subtree(budget.conf, tree, b, grammar)
-        flat_ref = np.asarray([x for row in ref_keep for x in row], dtype=bool)
-        if not np.array_equal(flat_ref, budget.keep):
-            self._fail(t, "allocate_tree keeps other nodes than maskplug.reference.select_subtree")
-        ref = reference.compact_tree(tree, ref_keep)
-        for name in ("capacity", "cu_logits", "kept_node", "kept_parent", "kept_depth", "live_position"):
-            if np.asarray(getattr(comp, name)).tolist() != list(ref[name]):
-                self._fail(t, f"compact_tree {name} differs from maskplug.reference.compact_tree")
-        if int(comp.capacity.sum()) != b or comp.num_tokens != int(batch.num_non_draft.sum()) + b:
-            self._fail(t, f"compaction keeps {comp.num_tokens} tokens for budget {b}")
-        ref_regime = reference.compact(lay, b).regime
-        if comp.regime != budget.regime or ref_regime != budget.regime:
-            self._fail(t, f"compaction regime {comp.regime!r}, regime_of {budget.regime!r}, reference {ref_regime!r}")
-        if self.use_grammar and masks.tm is not None:
-            for i, r in enumerate(masks.tm.request.tolist()):
-                a, e = int(tree.cu_nodes[r]), int(tree.cu_nodes[r + 1])
-                if np.any(budget.keep[a:e] & ~masks.tm.valid[i, : e - a]):
-                    self._fail(
-                        t, f"grammar-aware tree budget kept a node of request {int(batch.rid[r])} the grammar rejects"
-                    )
-        # The live mapping, rebuilt independently: node j's row goes to 1 + its rank among the kept nodes.
-        req = masks.mapping.request.astype(np.int64)
-        pos = masks.mapping.position.astype(np.int64)
-        exp_req, exp_pos = req.copy(), pos.copy()
-        for i in range(req.shape[0]):
-            r, p = int(req[i]), int(pos[i])
-            if r < 0 or p == 0:
-                continue
-            nd = int(lay.num_drafts[r])
-            kept = budget.keep[tree.cu_nodes[r] : tree.cu_nodes[r + 1]]
-            if p > nd:
-                exp_pos[i] = int(kept.sum()) + p - nd
-            elif kept[p - 1]:
-                exp_pos[i] = int(kept[: p - 1].sum()) + 1
-            else:
-                exp_req[i], exp_pos[i] = -1, -1
-        lm = budget.live_map
-        if not (
-            np.array_equal(lm.request.astype(np.int64), exp_req)
-            and np.array_equal(lm.position.astype(np.int64), exp_pos)
-        ):
-            self._fail(t, "live mapping does not send each kept node's row to its live position")
-
-    def _tree_logits(self, batch: _TreeBatch, masks: _TreeMasks, budget: _TreeBudget) -> torch.Tensor:
+    def _tree_logits(self, batch: TreeBatch, masks: TreeStepMasks, budget: TreeBudget) -> torch.Tensor:
         """The target's logits for the live rows (root, kept nodes), masked through the live mapping."""
-        cfg, V, t, n = self.cfg, self.V, batch.t, len(batch.act)
+        cfg, V, n = self.cfg, self.V, len(batch.act)
         comp, tree, rid = budget.comp, batch.tree, batch.rid
         cap = comp.capacity
         cu_np = comp.cu_logits
@@ -302,9 +191,7 @@ class TreeSimulation(Simulation):
             on_ref = np.where(is_node, on_ref_all[flat], on_ref)
         preferred = np.where(on_ref, batch.window[row_req, depth], self.eos)
         out_pos = batch.length[row_req] + depth
-        g_of = np.full(n, -1, dtype=np.int64)
-        g_of[masks.g_idx] = np.arange(masks.g_idx.size)
-        gr = g_of[row_req]
+        gr = masks.g_of[row_req]
         mrow = np.where(gr >= 0, masks.g_start[np.maximum(gr, 0)] + node + 1, -1)
         bm_np = masks.bitmask.numpy()
         tempt = self._tempting_tokens(bm_np, mrow, on_ref, rid[row_req], out_pos)
@@ -314,11 +201,11 @@ class TreeSimulation(Simulation):
             if masks.num_rows:
                 apply_grammar_bitmask(logits, masks.bitmask, budget.live_map, cu_np, vocab_size=V, backend=cfg.backend)
 
-        self._apply_s = self._apply_checked(t, 98, logits, mrow, bm_np, apply)
+        self._apply_checked(batch, 98, logits, mrow, bm_np, apply)
         return logits
 
     def _tree_verify(
-        self, batch: _TreeBatch, masks: _TreeMasks, budget: _TreeBudget, logits: torch.Tensor
+        self, batch: TreeBatch, masks: TreeStepMasks, budget: TreeBudget, logits: torch.Tensor
     ) -> tuple[list[list[int]], I64]:
         """Greedy tree verification: per request the accepted path (request-local nodes) and the token after it."""
         comp, t = budget.comp, batch.t
@@ -327,7 +214,6 @@ class TreeSimulation(Simulation):
         tokens = batch.drafts.tokens
         paths: list[list[int]] = []
         final = np.zeros(n, dtype=np.int64)
-        g_of = {int(r): i for i, r in enumerate(masks.g_idx.tolist())}
         for r in range(n):
             a, e = int(comp.cu_kept[r]), int(comp.cu_kept[r + 1])
             kept_node = comp.kept_node[a:e]
@@ -344,20 +230,20 @@ class TreeSimulation(Simulation):
                 cur = int(kids[0])
                 path.append(int(kept_node[cur]))
             final[r] = tgt[base + cur + 1]
-            if r in g_of and masks.tm is not None and path and not masks.tm.valid[g_of[r], path].all():
+            g = int(masks.g_of[r])
+            if g >= 0 and masks.tm is not None and path and not masks.tm.valid[g, path].all():
                 self._fail(
-                    t, f"tree verification accepted nodes {path} of request {int(batch.rid[r])} the grammar rejects"
+                    t, [f"tree verification accepted nodes {path} of request {int(batch.rid[r])} the grammar rejects"]
                 )
             paths.append(path)
         return paths, final
 
     def _tree_commit(
-        self, batch: _TreeBatch, masks: _TreeMasks, paths: list[list[int]], final: I64
+        self, batch: TreeBatch, masks: TreeStepMasks, paths: list[list[int]], final: I64
     ) -> tuple[int, list[tuple[int, bool]]]:
         finished: list[tuple[int, bool]] = []
         emitted_total = 0
         bm_np = masks.bitmask.numpy()
-        g_of = {int(r): i for i, r in enumerate(masks.g_idx.tolist())}
         for r, a in enumerate(batch.act):
             path = paths[r]
             toks = [int(batch.drafts.tokens[r][j]) for j in path] + [int(final[r])]
@@ -368,38 +254,11 @@ class TreeSimulation(Simulation):
                 toks, checkers = toks[:cut], checkers[:cut]
             keep_n = max(0, a.prep.max_tokens - len(a.output))
             toks, checkers = toks[:keep_n], checkers[:keep_n]
-            mask_rows = masks.g_start[g_of[r]] + np.asarray(checkers, dtype=np.int64) if a.matcher is not None else None
+            mask_rows = (
+                masks.g_start[masks.g_of[r]] + np.asarray(checkers, dtype=np.int64) if a.matcher is not None else None
+            )
             done, stopped = self._emit(batch, a, toks, mask_rows, bm_np)
             emitted_total += len(toks)
             if done:
                 finished.append((r, stopped))
         return emitted_total, finished
-
-    def _tree_account(
-        self,
-        batch: _TreeBatch,
-        masks: _TreeMasks,
-        budget: _TreeBudget,
-        paths: list[list[int]],
-        emitted: int,
-        finished: int,
-    ) -> None:
-        """Simulated time, counters and the ``step_end`` hook, as chain steps record them.
-
-        The forward-pass cost is the chain steps' (verify the kept tokens, plus
-        the drafter when it drafted); mask production is not overlapped with it.
-        """
-        decode = ~batch.prefill
-        self._record(
-            batch,
-            budget.b,
-            budget.regime,
-            budget.cap_max,
-            accepted=sum(len(p) for r, p in enumerate(paths) if decode[r]),
-            emitted=emitted,
-            finished=finished,
-            grammar_requests=int(masks.g_idx.size),
-            mask_rows=masks.num_rows,
-            logits_rows=int(budget.comp.cu_logits[-1]),
-            apply_s=self._apply_s,
-        )

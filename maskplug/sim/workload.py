@@ -7,7 +7,9 @@ the pattern, for an unconstrained request a few sentences of prose. The
 document is tokenised with the simulation's real tokenizer.
 
 Requests are a pure function of ``(seed, index)``, so every scheduler of a run
-serves exactly the same stream.
+serves exactly the same stream. :class:`Workload` is that stream bound to a
+tokenizer and a grammar provider: each request's tokenised reference and
+compiled grammar, made once and shared by every run.
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from ..data import load_schemas, schema_dir
+from ..data import Tokenizer, load_schemas, schema_dir
 from ..errors import GrammarError
-from ..grammar import GrammarSpec
+from ..grammar import GrammarProvider, GrammarSpec
+from .config import SimConfig, WorkloadMix
 from .regexgen import sample_regex
 
 __all__ = [
     "REGEXES",
+    "PreparedRequest",
     "RequestSpec",
+    "Workload",
     "WorkloadMix",
     "default_schema_dir",
     "json_texts",
@@ -138,22 +144,6 @@ def _prose(rng: np.random.Generator) -> str:
 
 
 @dataclass(frozen=True)
-class WorkloadMix:
-    """Shares of request kinds, and how often a request gets a token limit below its document length."""
-
-    json: float = 0.5
-    regex: float = 0.25
-    free: float = 0.25
-    #: share of requests whose ``max_tokens`` cuts the document short (they end "cut off")
-    short_limit: float = 0.05
-
-    def __post_init__(self) -> None:
-        vals = (self.json, self.regex, self.free, self.short_limit)
-        if any(not np.isfinite(v) or v < 0 for v in vals) or self.json + self.regex + self.free <= 0:
-            raise GrammarError(f"mix: expected non-negative shares with a positive sum, got {vals}")
-
-
-@dataclass(frozen=True)
 class RequestSpec:
     """One simulated request, before it is bound to a matcher.
 
@@ -238,3 +228,114 @@ def make_request(
         sampled=bool(rng.random() < 0.5),
     )
     return spec, texts
+
+
+@dataclass
+class PreparedRequest:
+    """One request of the stream, ready to run: its reference tokens and compiled grammar, or why it failed."""
+
+    spec: RequestSpec
+    ref: npt.NDArray[np.int64]  # reference tokens followed by the stop token
+    compiled: Any  # CompiledGrammar or None
+    max_tokens: int
+    error: str | None = None  # why the request failed (its grammar did not compile); None when it runs
+
+
+class Workload:
+    """The request stream of one seed: specs, tokenised references, compiled grammars (shared by all runs)."""
+
+    def __init__(self, config: SimConfig, tokenizer: Tokenizer, provider: GrammarProvider | None) -> None:
+        self.config = config
+        self.tok = tokenizer
+        self.provider = provider
+        self.schemas = load_schemas(config.schema_dir)
+        self._cache: dict[int, PreparedRequest] = {}
+        self._by_bytes: dict[bytes, list[int]] | None = None
+        self._longest = 0
+        #: Requests that failed (request index -> (request name, the grammar error)), in the order reached.
+        self.failures: dict[int, tuple[str, str]] = {}
+        # One compile per grammar: a spec that failed fails every request that asks for it.
+        self._failed_specs: dict[str, str] = {}
+
+    def _guided(self, text: str, matcher: Any) -> list[int] | None:
+        """Tokenise ``text`` greedily (longest token first) among the tokens the grammar allows.
+
+        Where several ids spell the same bytes (a piece and its byte-fallback
+        token), the first the grammar allows is taken: a provider holding
+        forced text to the tokenizer's own spelling allows only one of them.
+        """
+        if self._by_bytes is None:
+            vocab = self.tok.vocab
+            self._by_bytes = {}
+            for i, t in enumerate(vocab.tokens):
+                if t and i not in vocab.special_ids:
+                    self._by_bytes.setdefault(t, []).append(i)
+            self._longest = max(len(t) for t in self._by_bytes)
+        raw = text.encode("utf-8")
+        bm = self.tok.vocab.new_bitmask(1)
+        ids: list[int] = []
+        pos = 0
+        while pos < len(raw):
+            matcher.fill(bm, 0)
+            words = bm[0].numpy()
+            for n in range(min(self._longest, len(raw) - pos), 0, -1):
+                tid = next(
+                    (i for i in self._by_bytes.get(raw[pos : pos + n], ()) if (int(words[i >> 5]) >> (i & 31)) & 1),
+                    None,
+                )
+                if tid is not None and matcher.accept(tid):
+                    ids.append(tid)
+                    pos += n
+                    break
+            else:
+                return None
+        eos = self.tok.eos
+        return [*ids, eos] if matcher.accept(eos) else None
+
+    def get(self, index: int) -> PreparedRequest:
+        """Request ``index``: the reference is the first serialisation its grammar accepts."""
+        got = self._cache.get(index)
+        if got is not None:
+            return got
+        spec, texts = make_request(self.config.seed, index, self.schemas, self.config.mix)
+        eos = self.tok.eos
+        compiled = None
+        ids: list[int] | None = None
+        if spec.grammar is not None:
+            if self.provider is None:
+                raise GrammarError("provider: expected a grammar provider for grammar requests, got none")
+            key = spec.grammar.key()
+            error = self._failed_specs.get(key)
+            if error is None:
+                try:
+                    compiled = self.provider.compile(spec.grammar)
+                except GrammarError as exc:  # that request's error, as a serving engine reports it
+                    error = self._failed_specs[key] = str(exc)
+            if error is not None:
+                failed = PreparedRequest(spec, np.zeros(0, dtype=np.int64), None, 0, error)
+                self._cache[index] = failed
+                self.failures[index] = (spec.name, error)
+                return failed
+            assert compiled is not None  # compiled above, or the request failed
+            for text in texts:
+                cand = [*self.tok.encode(text), eos]
+                if compiled.matcher().validate(cand) == len(cand):
+                    ids = cand
+                    break
+            if ids is None:
+                # Some providers accept only certain tokenisations of forced text
+                # (llguidance keeps it canonical): let the grammar pick the split.
+                ids = self._guided(texts[0], compiled.matcher())
+            if ids is None:
+                raise GrammarError(
+                    f"workload: no serialisation of request {index}'s {spec.name} reference is accepted by "
+                    f"{self.config.provider}: {texts[0][:80]!r}"
+                )
+        else:
+            ids = [*self.tok.encode(spec.text), eos]
+        ref = np.asarray(ids, dtype=np.int64)
+        n = int(ref.shape[0])
+        max_tokens = max(2, int(n * 0.6)) if spec.short_limit else n + 4
+        prep = PreparedRequest(spec, ref, compiled, max_tokens)
+        self._cache[index] = prep
+        return prep
