@@ -44,6 +44,18 @@ def _int_at_least(low: int, high: int | None = None) -> Any:
     return parse
 
 
+def _whole(
+    p: argparse.ArgumentParser, flag: str, low: int, default: int | None, text: str, high: int | None = None
+) -> None:
+    """Add option ``flag``: a whole number in ``[low, high)`` (:func:`_int_at_least`)."""
+    p.add_argument(flag, type=_int_at_least(low, high), default=default, help=text)
+
+
+def _switch(p: argparse.ArgumentParser, flag: str, text: str) -> None:
+    """Add option ``flag``: on when given."""
+    p.add_argument(flag, action="store_true", help=text)
+
+
 def _limit_s(text: str) -> float:
     """An argparse ``type``: a compile limit in seconds (see :func:`maskplug.conformance.limit_arg`)."""
     from .conformance import limit_arg
@@ -152,7 +164,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .errors import MaskplugError
-    from .sim.engine import DEFAULT_SCHEDULERS, SimConfig
+    from .sim.config import DEFAULT_SCHEDULERS, SimConfig
     from .sim.run import format_json, format_table, run_demo
 
     base = SimConfig()
@@ -276,11 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report throughput, budget regimes, goodput and output validity. Exit status 1 when any output is "
         "invalid or any invariant check failed.",
     )
-    p.add_argument("--steps", type=_int_at_least(1), default=None, help="engine steps per scheduler (default 60)")
-    p.add_argument("--concurrency", type=_int_at_least(1), default=None, help="concurrent requests (default 16)")
-    p.add_argument(
-        "--drafts", type=_int_at_least(0), default=None, help="drafts per decoding request and step (default 4)"
-    )
+    _whole(p, "--steps", 1, None, "engine steps per scheduler (default 60)")
+    _whole(p, "--concurrency", 1, None, "concurrent requests (default 16)")
+    _whole(p, "--drafts", 0, None, "drafts per decoding request and step (default 4)")
     p.add_argument(
         "--provider",
         default="auto",
@@ -294,56 +304,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="scheduler(s) to run, repeatable or comma-separated; grammar-aware:INNER wraps INNER "
         "(default: no-spec, verify-all, dspark, grammar-aware:dspark, goodput)",
     )
-    p.add_argument(
-        "--seed",
-        type=_int_at_least(0, _SEED_LIMIT),
-        default=0,
-        help="seed of the requests, drafter and target (default 0)",
-    )
+    _whole(p, "--seed", 0, 0, "seed of the requests, drafter and target (default 0)", high=_SEED_LIMIT)
     p.add_argument("--tokenizer", choices=("tekken", "spm"), default="tekken", help="vocabulary (default tekken)")
     p.add_argument(
         "--schemas",
         default=None,
         help="folder of JSON schemas (default: the schemas shipped with maskplug, or $MASKPLUG_SCHEMAS)",
     )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=_int_at_least(0),
-        default=None,
-        help="engine tokens per step, 0 = no limit (default 192)",
-    )
-    p.add_argument(
-        "--squeeze-every", type=_int_at_least(0), default=0, help="every N-th step has room for bonus rows only"
-    )
-    p.add_argument(
+    _whole(p, "--max-batch-tokens", 0, None, "engine tokens per step, 0 = no limit (default 192)")
+    _whole(p, "--squeeze-every", 0, 0, "every N-th step has room for bonus rows only")
+    _switch(
+        p,
         "--tree",
-        action="store_true",
-        help="also run tree verification: rows tree:dspark and tree:grammar-aware:dspark (top-k draft trees, "
+        "also run tree verification: rows tree:dspark and tree:grammar-aware:dspark (top-k draft trees, "
         "the budget over tree nodes, the same cost model and token limit); tree rows verify greedily, also the "
         "requests that chain rows verify by rejection sampling",
     )
-    p.add_argument(
-        "--tree-branch", type=_int_at_least(1), default=2, help="tree drafter: candidates per node, top-k (default 2)"
-    )
-    p.add_argument("--tree-depth", type=_int_at_least(1), default=None, help="tree drafter: levels (default: --drafts)")
-    p.add_argument(
-        "--tree-width", type=_int_at_least(1), default=4, help="tree drafter: nodes kept per level (default 4)"
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object (fields: docs/design.md, section 9)")
-    p.add_argument(
-        "--no-timing",
-        action="store_true",
-        help="with --json: report host_us_per_step as null, so the same seed gives byte-identical output",
+    _whole(p, "--tree-branch", 1, 2, "tree drafter: candidates per node, top-k (default 2)")
+    _whole(p, "--tree-depth", 1, None, "tree drafter: levels (default: --drafts)")
+    _whole(p, "--tree-width", 1, 4, "tree drafter: nodes kept per level (default 4)")
+    _switch(p, "--json", "print one JSON object (fields: docs/design.md, section 9)")
+    _switch(
+        p, "--no-timing", "with --json: report host_us_per_step as null, so the same seed gives byte-identical output"
     )
     p.add_argument("--plot", metavar="FILE.png", help="also sweep concurrency 1/8/64/256 and draw a PNG")
-    p.add_argument(
-        "--sweep-steps", type=_int_at_least(1), default=20, help="steps per scheduler and level of the sweep"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
-    p.add_argument(
+    _whole(p, "--sweep-steps", 1, 20, "steps per scheduler and level of the sweep")
+    _switch(p, "--no-progress", "no progress display on stderr")
+    _switch(
+        p,
         "--no-overlap",
-        action="store_true",
-        help="produce the draft masks before the simulated forward pass instead of during it (no waiting "
+        "produce the draft masks before the simulated forward pass instead of during it (no waiting "
         "for the forward pass's simulated time)",
     )
     p.set_defaults(func=_cmd_demo)
