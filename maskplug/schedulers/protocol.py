@@ -30,14 +30,7 @@ from ..draftmasks import DraftMasks, check_draft_masks
 from ..errors import BudgetError
 from ..layout import ScheduledLayout
 
-__all__ = [
-    "Scheduler",
-    "StepOutcome",
-    "StepView",
-    "check_no_config",
-    "grammar_limits",
-    "request_ids",
-]
+__all__ = ["Scheduler", "StepOutcome", "StepView", "check_no_config", "grammar_limits", "request_ids"]
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
