@@ -62,7 +62,6 @@ import torch
 from .errors import GrammarError, MaskplugError
 from .grammar import GrammarSpec, Vocab, grammar_provider, grammar_providers
 from .grammar.limits import MAX_COMPILE_LIMIT_S, check_limit
-from .grammar.registry import AUTO
 from .grammar.vocabs import mistral_tekken, mistral_tekken_encoding
 from .plugins import get_registry
 
@@ -503,8 +502,8 @@ def limit_arg(text: str) -> float:
 
 
 def check_providers(names: Sequence[str] | None) -> None:
-    """:class:`GrammarError` naming ``--provider`` for a name that is neither registered nor ``auto``."""
-    known = sorted({*grammar_providers(), AUTO})
+    """:class:`GrammarError` naming ``--provider`` for a name that is not registered (``auto`` is built in)."""
+    known = grammar_providers()
     bad = [n for n in names or () if n not in known]
     if bad:
         raise GrammarError(f"--provider: expected one of {known}, got {bad[0]!r}")

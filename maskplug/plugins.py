@@ -42,7 +42,7 @@ ENTRY_POINT_GROUP = "maskplug"
 LOAD_PLUGINS_ENV = "MASKPLUG_LOAD_PLUGINS"
 DISABLE_PLUGINS_ENV = "MASKPLUG_DISABLE_PLUGINS"
 KERNEL_BACKEND_ENV = "MASKPLUG_KERNEL_BACKEND"
-BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers.registry")
+BUILTIN_PLUGINS = ("maskplug.kernels.torch_backend", "maskplug.schedulers.registry", "maskplug.grammar.auto")
 
 # Numbers the registries of this process, in the order they are made.
 _generations = itertools.count(1)

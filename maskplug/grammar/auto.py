@@ -30,6 +30,11 @@ limit, when smaller), and when nothing is left the candidates not yet tried are
 passed over. As for each provider, the budget counts the compile servers' CPU
 seconds (wall-clock for a compile in this process).
 
+``auto`` is a built-in plugin: this module registers :class:`AutoProvider`
+through ``maskplug_register_grammar_providers``, as any provider distribution
+registers its own, so :func:`~maskplug.grammar.grammar_providers` lists it and
+no plugin can register another ``"auto"`` unnoticed.
+
 The choice is reported: the grammar gets ``served_by`` (the provider's name)
 and ``why`` (a sentence), :meth:`AutoProvider.explain` returns the
 :class:`AutoChoice` for a spec, and each choice is logged at INFO on the
@@ -42,10 +47,12 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import GrammarError
+from ..hookspecs import hookimpl
 from .bases import ProviderBase
 from .checks import schema_dict
 from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit, wall_backstop
@@ -60,6 +67,7 @@ __all__ = [
     "AutoProvider",
     "Coverage",
     "coverage_gaps",
+    "maskplug_register_grammar_providers",
     "schema_constraints",
     "unsatisfiable",
 ]
@@ -105,12 +113,25 @@ class AutoProvider(ProviderBase[Any]):
             unknown = [c for c in candidates if c not in names]
             if unknown:
                 raise GrammarError(f"candidates: expected registered providers {names}, got unknown {unknown}")
+            if not candidates:
+                raise GrammarError("candidates: expected at least one registered grammar provider, got none")
             ordered = list(candidates)
-        if not ordered:
-            raise GrammarError("candidates: expected at least one registered grammar provider, got none")
         self.candidates = ordered
+        if not ordered:
+            # No provider but auto is installed: auto supports no kind, so whatever goes through every
+            # registered provider (selftest, bench) passes it over, and a compile says what to install.
+            self.kinds = frozenset()
         self._choices: dict[str, AutoChoice] = {}
         self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The grammar of the candidate chosen for ``spec`` (see the module notes)."""
+        if not self.candidates and isinstance(spec, GrammarSpec):
+            raise GrammarError(
+                f"spec.kind: no grammar provider besides auto is registered to compile this {spec.kind} spec; "
+                "install one, e.g. maskplug-llguidance, maskplug-xgrammar or maskplug-outlines"
+            )
+        return super().compile(spec)
 
     def provider(self, name: str) -> Any:
         """The candidate provider ``name`` bound to this vocabulary."""
@@ -206,6 +227,12 @@ class AutoProvider(ProviderBase[Any]):
             pass
         logger.info("auto: %s spec served by %s (%s)", spec.kind, name, why)
         return grammar
+
+
+@hookimpl
+def maskplug_register_grammar_providers(register: Callable[[str, Any], None]) -> None:
+    """Register the built-in ``"auto"`` provider (factory: ``AutoProvider(vocab)``)."""
+    register(AutoProvider.name, AutoProvider)
 
 
 def _spent(worker: Any, seen: tuple[Any, Any], t0: float) -> float:

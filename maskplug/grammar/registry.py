@@ -1,9 +1,8 @@
 """Looking up registered grammar providers, one instance per provider and vocabulary.
 
-Besides the registered providers, ``grammar_provider("auto", vocab)`` gives
-:class:`maskplug.grammar.auto.AutoProvider`, which compiles each spec with the
-registered provider best suited to it (unless a plugin registers its own
-``"auto"``).
+Among the registered providers is the built-in ``"auto"``
+(:class:`maskplug.grammar.auto.AutoProvider`, registered by its module as a
+plugin), which compiles each spec with the registered provider best suited to it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ _lock = threading.Lock()
 
 
 def grammar_providers() -> list[str]:
-    """Names of the registered grammar providers."""
+    """Names of the registered grammar providers (the built-in ``"auto"`` among them)."""
     return sorted(get_registry().grammar_providers)
 
 
@@ -39,11 +38,7 @@ def grammar_provider(name: str, vocab: Vocab) -> GrammarProvider:
     if not isinstance(name, str):
         raise GrammarError(f"name: expected a provider name (str), got {type(name).__name__}")
     registry = get_registry()
-    factories = dict(registry.grammar_providers)
-    if AUTO not in factories:
-        from .auto import AutoProvider
-
-        factories[AUTO] = AutoProvider
+    factories = registry.grammar_providers
     if name not in factories:
         raise GrammarError(f"name: expected one of the registered providers {sorted(factories)}, got {name!r}")
     key = (registry.generation, name, vocab.fingerprint)

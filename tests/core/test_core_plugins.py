@@ -277,3 +277,79 @@ def test_each_registry_has_a_new_generation_and_providers_are_kept_per_generatio
     assert second is not first and second.generation > first.generation
     assert grammar_provider("counted", vocab) is made[1]  # the old registry's instance is not served again
     assert plugins.Registry().generation > second.generation
+
+
+class FakeDriver:
+    """An engine driver that only keeps what it was made with."""
+
+    shares_compile = False
+
+    def __init__(self, vocab: Any, encoding: Any) -> None:
+        self.vocab, self.encoding = vocab, encoding
+
+    def compile(self, spec: Any, grammar: Any) -> Any:
+        return grammar
+
+    def feed(self, compiled: Any, ids: Any) -> bool:
+        return True
+
+
+def test_engine_drivers_register_through_their_hook(entry_points: list[FakeEntryPoint]) -> None:
+    from maskplug.conformance import engine_path
+    from maskplug.grammar import Vocab
+
+    class Drivers:
+        @mp.hookimpl
+        def maskplug_register_engine_drivers(self, register: Callable[[str, Any], None]) -> None:
+            register("fake-engine", FakeDriver)
+
+    class Broken:
+        @mp.hookimpl
+        def maskplug_register_engine_drivers(self, register: Callable[[str, Any], None]) -> None:
+            register("broken-engine", "not a factory")
+
+    entry_points += [FakeEntryPoint("drivers", Drivers), FakeEntryPoint("zz-broken", Broken)]
+    with pytest.warns(RuntimeWarning, match="zz-broken"):
+        reg = mp.get_registry()
+    assert reg.engine_drivers == {"fake-engine": FakeDriver}
+    assert _info("drivers").hooks == ["maskplug_register_engine_drivers"]
+    err = _info("zz-broken").error
+    assert err is not None and "engine driver 'broken-engine': factory is not callable" in err
+    vocab = Vocab([b"a", b"b", b"</s>"], eos_ids=[2])
+    driver = engine_path("fake-engine", vocab, encoding="the encoding")
+    assert isinstance(driver, FakeDriver) and (driver.vocab, driver.encoding) == (vocab, "the encoding")
+    assert engine_path("auto", vocab) is None  # auto is no engine: it has the maskplug path only
+
+
+def test_auto_is_a_builtin_grammar_provider(entry_points: list[FakeEntryPoint]) -> None:
+    from maskplug.errors import GrammarError
+    from maskplug.grammar import GrammarSpec, Vocab, grammar_provider
+    from maskplug.grammar.auto import AutoProvider
+
+    assert "maskplug.grammar.auto" in plugins.BUILTIN_PLUGINS
+    reg = mp.get_registry()
+    assert reg.grammar_providers == {"auto": AutoProvider}
+    info = _info("maskplug.grammar.auto")
+    assert (info.distribution, info.hooks, info.error) == ("maskplug", ["maskplug_register_grammar_providers"], None)
+    assert mp.grammar_providers() == ["auto"]  # no provider distribution is loaded here
+    # With nothing to choose from, auto supports no kind and a compile says what to install.
+    auto = grammar_provider("auto", Vocab([b"a", b"b", b"</s>"], eos_ids=[2]))
+    assert isinstance(auto, AutoProvider) and auto.candidates == [] and not auto.supports("regex")
+    with pytest.raises(GrammarError, match=r"^spec.kind: no grammar provider besides auto .*maskplug-llguidance"):
+        auto.compile(GrammarSpec("regex", "a"))
+
+
+def test_a_plugin_cannot_shadow_auto(entry_points: list[FakeEntryPoint]) -> None:
+    from maskplug.grammar.auto import AutoProvider
+
+    class Shadow:
+        @mp.hookimpl
+        def maskplug_register_grammar_providers(self, register: Callable[[str, Any], None]) -> None:
+            register("auto", Scheduler)
+
+    entry_points.append(FakeEntryPoint("shadow", Shadow))
+    with pytest.warns(RuntimeWarning, match="shadow"):
+        reg = mp.get_registry()
+    assert reg.grammar_providers["auto"] is AutoProvider
+    err = _info("shadow").error
+    assert err is not None and "'auto' is already registered by maskplug.grammar.auto" in err

@@ -9,7 +9,7 @@ from grammar_testkit import SLOW_OUTLINES
 
 from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
-from maskplug.grammar import GrammarSpec, grammar_provider
+from maskplug.grammar import GrammarSpec, grammar_provider, grammar_providers
 from maskplug.grammar.auto import AutoProvider
 from maskplug.grammar.limits import wall_backstop
 from maskplug.grammar.vocabs import mistral_sentencepiece, mistral_tekken
@@ -30,6 +30,8 @@ def test_auto_is_a_provider_per_vocabulary() -> None:
     a = grammar_provider("auto", v)
     assert isinstance(a, AutoProvider) and grammar_provider("auto", v) is a
     assert a.candidates[:3] == ["llguidance", "xgrammar", "outlines-core"]
+    # Registered like every provider, and never its own candidate.
+    assert "auto" in grammar_providers() and "auto" not in a.candidates
 
 
 def test_prefers_the_provider_that_enforces_every_keyword() -> None:
@@ -96,6 +98,10 @@ def test_no_provider_compiles_it() -> None:
 def test_bad_candidates_name_the_argument() -> None:
     with pytest.raises(GrammarError, match=r"^candidates: "):
         AutoProvider(mistral_sentencepiece(), candidates=["nope"])
+    with pytest.raises(GrammarError, match=r"^candidates: expected registered providers .*'auto'"):
+        AutoProvider(mistral_sentencepiece(), candidates=["auto"])
+    with pytest.raises(GrammarError, match=r"^candidates: expected at least one"):
+        AutoProvider(mistral_sentencepiece(), candidates=[])
 
 
 def test_auto_goal_on_the_subset() -> None:
