@@ -29,11 +29,6 @@ GRAMMAR_ENGINES = frozenset({"xgrammar", "llguidance", "outlines_core"})
 KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
     {
         ("adapters/vllm/maskplug_vllm/adaptive.py", "maskplug.schedulers"),
-        ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar"),
-        ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.checks"),
-        ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.draft"),
-        ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.jobs"),
-        ("adapters/vllm/maskplug_vllm/scheduler.py", "maskplug.grammar.protocols"),
         # Design §8 names maskplug.grammar.limits as public to providers; the compile
         # workers are to be re-exported by maskplug.grammar.sdk and these switched.
         ("grammars/llguidance/maskplug_llguidance/provider.py", "maskplug.grammar.limits"),

@@ -20,17 +20,15 @@ from typing import Any
 import torch
 
 from maskplug import GrammarError, PluginError
+from maskplug.engines.sdk import GuardedGrammar
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
-    FailedMatcher,
     GrammarSpec,
     Matcher,
     Vocab,
-    brief_error,
     grammar_provider,
     grammar_providers,
-    stop_row,
     vocab_from_hf_tokenizer,
 )
 
@@ -163,17 +161,18 @@ def _base_classes() -> tuple[type, type]:
 _Backend, _Grammar = _base_classes()
 
 
-class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
+class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type]
     """One request's grammar state, as vLLM's scheduler sees it.
 
     A grammar can fail: the producer reports it (:attr:`maskplug.DraftMasks.failed`),
     or its matcher raises inside one of the methods below. It then holds the
     :class:`~maskplug.GrammarError` in :attr:`error` and never calls its
-    matcher again: its mask rows allow only the request's stop tokens, it
-    validates no draft, and :meth:`accept_tokens` returns False, which makes
-    vLLM's scheduler finish the request with ``FinishReason.ERROR``; the error
-    text becomes the request's ``stop_reason`` (see :meth:`fail`). No
-    exception from a matcher reaches vLLM's scheduler.
+    matcher again (:class:`maskplug.engines.sdk.GuardedGrammar`): its mask
+    rows allow only the request's stop tokens, it validates no draft, and
+    :meth:`accept_tokens` returns False, which makes vLLM's scheduler finish
+    the request with ``FinishReason.ERROR``; the error text becomes the
+    request's ``stop_reason`` (see :meth:`fail`). No exception from a
+    matcher reaches vLLM's scheduler.
 
     Args:
         matcher: the request's maskplug matcher.
@@ -190,8 +189,6 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
         self.error: GrammarError | None = None
         self.request_id: str | None = None
         self._request: Callable[[], Any] | None = None
-        self._stop: torch.Tensor | None = None
-        self._failed: FailedMatcher | None = None
 
     # -- failure -----------------------------------------------------------------
     @property
@@ -219,26 +216,19 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
             return
         if request_id is not None:
             self.request_id = request_id
-        text = (
-            str(error)
-            if isinstance(error, GrammarError)
-            else f"the matcher raised {type(error).__name__}: {brief_error(error)}"
-        )
-        err = GrammarError(text if self.request_id is None else f"request {self.request_id!r}: {text}")
-        err.__cause__ = error
-        self.error = err
-        logger.error("maskplug: a grammar failed, its request finishes with an error: %s", err)
+        super().fail(error)
+
+    def _describe(self, text: str) -> str:
+        return text if self.request_id is None else f"request {self.request_id!r}: {text}"
+
+    def _failed_now(self, error: GrammarError) -> None:
+        logger.error("maskplug: a grammar failed, its request finishes with an error: %s", error)
         self._report()
 
     def _report(self) -> None:
         req = self._request() if self._request is not None else None
         if req is not None and self.error is not None:
             req.stop_reason = self.error_text
-
-    def _raised(self, exc: Exception, doing: str) -> None:
-        err = GrammarError(f"the matcher raised {type(exc).__name__} in {doing}: {brief_error(exc)}")
-        err.__cause__ = exc
-        self.fail(err)
 
     # -- vLLM's grammar interface ----------------------------------------------------
     def accept_tokens(self, request_id: str, tokens: list[int]) -> bool:
@@ -289,37 +279,7 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
         """Write this state's allowed tokens into ``bitmask[batch_index]`` (the stop-only row once failed)."""
-        if self.error is None:
-            try:
-                self.matcher.fill(bitmask, batch_index)
-                return
-            except Exception as exc:
-                self._raised(exc, f"filling mask row {batch_index}")
-        self.fill_stop_row(bitmask, batch_index)
-
-    def fill_stop_row(self, bitmask: torch.Tensor, batch_index: int) -> None:
-        """Write the row allowing only the request's stop tokens into ``bitmask[batch_index]``."""
-        row = bitmask[batch_index]
-        if self.vocab is None:
-            # No vocabulary to read the stop tokens from: the row stays open (a
-            # row allowing nothing cannot be sampled); the error finishes the request.
-            row.fill_(-1)
-            return
-        if self._stop is None:
-            self._stop = stop_row(self.vocab)
-        w = min(int(row.shape[0]), int(self._stop.shape[0]))
-        row.zero_()
-        row[:w] = self._stop[:w]
-
-    def is_terminated(self) -> bool:
-        """Whether a stop token was accepted (False once failed: the stop-only row is still needed)."""
-        if self.error is not None:
-            return False
-        try:
-            return bool(self.matcher.is_terminated())
-        except Exception as exc:
-            self._raised(exc, "is_terminated")
-            return False
+        self.fill_row(bitmask, batch_index)
 
     def reset(self) -> None:
         """Back to the start of the grammar (a failed grammar stays failed)."""
@@ -335,10 +295,8 @@ class MaskplugGrammar(_Grammar):  # type: ignore[misc,valid-type]
 
 def producer_matcher(grammar: Any) -> Any:
     """The matcher the mask-row producer gets for one request's grammar (a raising stand-in once it failed)."""
-    if isinstance(grammar, MaskplugGrammar) and grammar.error is not None:
-        if grammar._failed is None:
-            grammar._failed = FailedMatcher(grammar.vocab, grammar.error)
-        return grammar._failed
+    if isinstance(grammar, MaskplugGrammar):
+        return grammar.producer_matcher()
     return grammar.matcher
 
 

@@ -24,14 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskplug import DraftMasks, GrammarRows, ScheduledLayout
-from maskplug.grammar import fill_draft_masks
-from maskplug.grammar.checks import check_bitmask
-from maskplug.grammar.draft import _Plan, _produce, _Walk
-from maskplug.grammar.jobs import claim, release
-from maskplug.grammar.protocols import Matcher
+from maskplug import DraftMasks, GrammarRows, ScheduledLayout, fill_draft_masks
+from maskplug.engines.sdk import fill_windows_serially
+from maskplug.grammar.sdk import Matcher, check_bitmask
 
-from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
+from . import common
+from .backend import producer_matcher
 from .host import draft_counts
 
 __all__ = ["DRAFT_MASKS_ATTR", "fill_step_bitmask", "fill_step_rows", "make_grammar_bitmask", "make_grammar_init"]
@@ -79,16 +77,6 @@ def _strategy(num_grammar: int) -> str:
 
 #: Matcher types known to satisfy :class:`~maskplug.grammar.protocols.Matcher` (the protocol check is slow).
 _MATCHER_TYPES: set[type] = set()
-_EOS: dict[int, tuple[Any, frozenset[int]]] = {}
-
-
-def _eos_of(vocab: Any) -> frozenset[int]:
-    hit = _EOS.get(id(vocab))
-    if hit is None or hit[0] is not vocab:
-        if len(_EOS) > 64:
-            _EOS.clear()
-        hit = _EOS[id(vocab)] = (vocab, frozenset(vocab.eos_ids))
-    return hit[1]
 
 
 def _fill_few(
@@ -98,7 +86,8 @@ def _fill_few(
 
     The same walk, fault handling and result as ``fill_draft_masks(...,
     strategy="serial")`` on the windows cut at the first ``-1`` (the walk
-    and its tail are the producer's own code), without what that call
+    and its tail are the producer's own code, run by
+    :func:`maskplug.engines.sdk.fill_windows_serially`), without what that call
     spends on general input: no layout, row mapping or draft matrix checks
     (the windows come straight from vLLM's lists), one bitmask check. The
     cut windows are walked in place in the full windows' rows (the rows after
@@ -126,7 +115,6 @@ def _fill_few(
         vocabs.append(v)
     v0 = vocabs[0]
     words, size = v0.mask_words, v0.vocab_size
-    cut: list[int] = []
     full: list[int] = []
     windows: list[list[int]] = []
     get = spec_tokens.get
@@ -145,7 +133,6 @@ def _fill_few(
                 k = p
                 break
         full.append(n)
-        cut.append(k)
         windows.append(list(d[:k]))
     row0 = [0] * g_count
     total = 0
@@ -156,33 +143,7 @@ def _fill_few(
         check_bitmask(bitmask, total - 1, v0)
     except Exception:
         return None
-    width = max(cut)
-    d_mat = np.full((g_count, width), -1, dtype=np.int64)
-    for g, w in enumerate(windows):
-        if w:
-            d_mat[g, : len(w)] = w
-    nd = np.array(cut, dtype=np.int64)
-    walk = _Walk(
-        matchers,
-        d_mat,
-        nd,
-        nd + 1,
-        np.zeros(g_count, dtype=np.int64),
-        np.array(row0, dtype=np.int64),
-        [_eos_of(v) for v in vocabs],
-        bitmask,
-        total,
-        vocabs,
-        {},
-        arg="drafts",
-    )
-    idx = np.arange(g_count, dtype=np.int64)
-    held = claim(matchers, keys, "matchers")
-    try:
-        dm = _produce(_Plan(walk, keys, idx, walk.row0, "serial", 1))
-    finally:
-        release(held)
-    return total, dm
+    return total, fill_windows_serially(matchers, windows, row0, bitmask, total)
 
 
 def fill_step_rows(
@@ -249,55 +210,19 @@ def _fill_general(
 
 def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_init`` so the engine's backend is maskplug's."""
-
-    def grammar_init(self: Any, request: Any) -> None:
-        if request.structured_output_request is not None and self.backend is None:
-            structured = request.sampling_params.structured_outputs
-            vllm_backend = structured._backend
-            self.backend = MaskplugBackend(
-                self.vllm_config,
-                tokenizer=self.tokenizer,
-                vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                provider_name=provider_for(vllm_backend, was_auto=structured._backend_was_auto),
-            )
-        orig(self, request)
-
-    grammar_init.__doc__ = orig.__doc__
-    grammar_init.__wrapped__ = orig  # type: ignore[attr-defined]
-    return grammar_init
+    return common.make_grammar_init(orig, record_backend_name=False)
 
 
 def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`."""
+    """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
 
-    def grammar_bitmask(
-        self: Any,
-        requests: dict[str, Any],
-        structured_output_request_ids: list[str],
-        scheduled_spec_decode_tokens: dict[str, list[int]],
-    ) -> Any:
-        backend = self.backend
-        setattr(self, DRAFT_MASKS_ATTR, None)
-        if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
-            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        ids = list(structured_output_request_ids)
-        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
-        grammars = bind_grammars(requests, ids)
-        reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
-        if reasoning_gate or self.vllm_config.model_config.is_diffusion:
-            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        need = len(ids) + sum(len(scheduled_spec_decode_tokens.get(r, ())) for r in ids)
-        max_rows = self.vllm_config.scheduler_config.max_num_seqs * (1 + self.vllm_config.num_speculative_tokens)
-        if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
-            self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
-        total, dm = fill_step_rows(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens)
-        if dm.failed:
-            # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
-            fail_requests(grammars, ids, dm.failed)
-        setattr(self, DRAFT_MASKS_ATTR, (ids, dm))
-        # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
-        return self._grammar_bitmask[:total].numpy()
-
-    grammar_bitmask.__doc__ = orig.__doc__
-    grammar_bitmask.__wrapped__ = orig  # type: ignore[attr-defined]
-    return grammar_bitmask
+    ``len(drafts) + 1`` rows per grammar request (:func:`fill_step_rows`); the
+    step's ``(grammar_req_ids, DraftMasks)`` is kept in :data:`DRAFT_MASKS_ATTR`.
+    """
+    return common.make_grammar_bitmask(
+        orig,
+        rows=lambda ids, spec, stride: len(ids) + sum(len(spec.get(r, ())) for r in ids),
+        # Looked up at each step, so fill_step_rows can be instrumented in place.
+        fill=lambda bitmask, grammars, ids, spec, stride: fill_step_rows(bitmask, grammars, ids, spec),
+        record=DRAFT_MASKS_ATTR,
+    )

@@ -32,9 +32,11 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from maskplug import DraftMasks, GrammarRows, LayoutError, ScheduledLayout, apply_grammar_bitmask, fill_draft_masks
+from maskplug import DraftMasks, GrammarRows, LayoutError, ScheduledLayout, fill_draft_masks
 
-from .backend import MaskplugBackend, bind_grammars, fail_requests, producer_matcher, provider_for
+from . import common
+from .backend import producer_matcher
+from .common import apply_rows
 from .host import StepRows, draft_counts, step_rows
 
 __all__ = [
@@ -89,21 +91,6 @@ def fixed_step_rows(
     return step_rows(req_ids, grammar_req_ids, num_drafts, num_bonus, grammar_num_drafts, stride=stride)
 
 
-def _bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scheduler's numpy bitmask as an int32 tensor on ``device`` (asynchronous on CUDA)."""
-    host = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
-    if device.type == "cpu":
-        return host
-    host = host.pin_memory()
-    if out is not None and out.shape[0] >= host.shape[0] and out.shape[1] == host.shape[1]:
-        return out[: host.shape[0]].copy_(host, non_blocking=True)
-    return host.to(device, non_blocking=True)
-
-
-def _vocab_size(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
-    return int(min(logits.shape[1], 32 * bitmask.shape[1]))
-
-
 # ------------------------------------------------------------------ workers --
 
 
@@ -123,8 +110,7 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     spec = scheduler_output.scheduled_spec_decode_tokens
     rows = fixed_step_rows(req_ids, gids, draft_counts(req_ids, spec), NUM_BONUS, stride, spec)
     cu = rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1])
-    bitmask = _bitmask_to(logits.device, bitmask_np)
-    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
+    apply_rows(logits, bitmask_np, rows.mapping, cu)
 
 
 def _scheduled_drafts(input_batch: Any, n: int) -> npt.NDArray[np.int64]:
@@ -176,8 +162,7 @@ def apply_compacted(
     n = len(req_ids)
     rows = fixed_step_rows(req_ids, grammar_req_ids, _scheduled_drafts(input_batch, n), NUM_BONUS, stride)
     cu = input_batch.cu_num_logits[: n + 1]
-    bitmask = _bitmask_to(logits.device, grammar_bitmask, getattr(worker, "grammar_bitmask", None))
-    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
+    apply_rows(logits, grammar_bitmask, rows.mapping, cu, getattr(worker, "grammar_bitmask", None))
 
 
 # ---------------------------------------------------------------- scheduler --
@@ -247,58 +232,18 @@ def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     that resolved to another vLLM backend is still refused by vLLM's own
     one-backend-per-engine check.
     """
-
-    def grammar_init(self: Any, request: Any) -> None:
-        if request.structured_output_request is not None and self.backend is None:
-            structured = request.sampling_params.structured_outputs
-            vllm_backend = structured._backend
-            self.backend = MaskplugBackend(
-                self.vllm_config,
-                tokenizer=self.tokenizer,
-                vocab_size=self.vllm_config.model_config.get_vocab_size(),
-                provider_name=provider_for(vllm_backend, was_auto=structured._backend_was_auto),
-            )
-            self.backend_name = vllm_backend
-        orig(self, request)
-
-    grammar_init.__doc__ = orig.__doc__
-    grammar_init.__wrapped__ = orig  # type: ignore[attr-defined]
-    return grammar_init
+    return common.make_grammar_init(orig, record_backend_name=True)
 
 
 def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap vLLM 0.33's ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`."""
+    """Wrap vLLM 0.33's ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
 
-    def grammar_bitmask(
-        self: Any,
-        requests: dict[str, Any],
-        structured_output_request_ids: list[str],
-        scheduled_spec_decode_tokens: dict[str, list[int]],
-    ) -> Any:
-        backend = self.backend
-        if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
-            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        # A reasoning parser that gates the grammar inside the window (and the
-        # masked reasoning-end tokens that come with it), and diffusion models
-        # (no bonus row), stay on vLLM's own loop over the same grammars.
-        ids = list(structured_output_request_ids)
-        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
-        grammars = bind_grammars(requests, ids)
-        reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
-        if reasoning_gate or self.vllm_config.model_config.is_diffusion:
-            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
-        num_spec = int(self.vllm_config.num_speculative_tokens)
-        stride = num_spec + 1
-        need = len(ids) * stride
-        max_rows = self.vllm_config.scheduler_config.max_num_seqs * stride
-        if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
-            self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
-        total, dm = fill_step_rows(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, stride)
-        if dm.failed:
-            # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
-            fail_requests(grammars, ids, dm.failed)
-        return self._grammar_bitmask[:total].numpy()
-
-    grammar_bitmask.__doc__ = orig.__doc__
-    grammar_bitmask.__wrapped__ = orig  # type: ignore[attr-defined]
-    return grammar_bitmask
+    Each grammar request gets its block of ``num_speculative_tokens + 1``
+    rows (:func:`fill_step_rows`), whatever its drafts.
+    """
+    return common.make_grammar_bitmask(
+        orig,
+        rows=lambda ids, spec, stride: len(ids) * stride,
+        # Looked up at each step, so fill_step_rows can be instrumented in place.
+        fill=lambda bitmask, grammars, ids, spec, stride: fill_step_rows(bitmask, grammars, ids, spec, stride),
+    )

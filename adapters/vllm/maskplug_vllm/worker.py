@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskplug import apply_grammar_bitmask
-
+from .common import apply_rows
 from .host import StepRows, draft_counts, step_rows
 
 __all__ = ["SCHEDULED_SPEC_ATTR", "apply_compacted", "apply_scatter"]
@@ -35,23 +34,6 @@ SCHEDULED_SPEC_ATTR = "maskplug_scheduled_spec_decode_tokens"
 The mask rows were produced for these; the output's own
 ``scheduled_spec_decode_tokens`` holds the drafts kept for verification.
 """
-
-
-def _bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scheduler's numpy bitmask as an int32 tensor on ``device`` (asynchronous on CUDA)."""
-    host = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
-    if device.type == "cpu":
-        return host
-    host = host.pin_memory()
-    if out is not None and out.shape[0] >= host.shape[0] and out.shape[1] == host.shape[1]:
-        return out[: host.shape[0]].copy_(host, non_blocking=True)
-    return host.to(device, non_blocking=True)
-
-
-def _vocab_size(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
-    # vLLM sizes both from the model's vocabulary; take the common part so a
-    # narrower mask never reads past its words (the rest is masked as tail).
-    return int(min(logits.shape[1], 32 * bitmask.shape[1]))
 
 
 _ROWS_CACHE_SIZE = 256
@@ -112,8 +94,7 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
         live = np.zeros(rows.num_batch + 1, dtype=np.int64)
         np.cumsum(draft_counts(req_ids, active) + 1, out=live[1:])
         cu = rows.pad_cu_logits(live)
-    bitmask = _bitmask_to(logits.device, bitmask_np)
-    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
+    apply_rows(logits, bitmask_np, rows.mapping, cu)
 
 
 def apply_compacted(
@@ -137,5 +118,4 @@ def apply_compacted(
     # The device offsets are authoritative after adaptive verification; they
     # are read on the device, never copied back.
     cu = input_batch.cu_num_logits[: n + 1]
-    bitmask = _bitmask_to(logits.device, grammar_bitmask, getattr(worker, "grammar_bitmask", None))
-    apply_grammar_bitmask(logits, bitmask, rows.mapping, cu, vocab_size=_vocab_size(logits, bitmask), tail="mask")
+    apply_rows(logits, grammar_bitmask, rows.mapping, cu, getattr(worker, "grammar_bitmask", None))

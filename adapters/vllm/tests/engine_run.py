@@ -34,11 +34,11 @@ MAX_TOKENS = 160
 
 def _instrument() -> dict[str, int]:
     """Count maskplug's work inside the engine (only meaningful with the adapter enabled)."""
+    import maskplug_vllm.common as mp_common
     import maskplug_vllm.scheduler as mp_sched
-    import maskplug_vllm.worker as mp_worker
 
     counts = {"fill_calls": 0, "draft_rows": 0, "apply_calls": 0, "applied_rows": 0}
-    real_fill, real_apply = mp_sched.fill_step_rows, mp_worker.apply_grammar_bitmask
+    real_fill, real_apply = mp_sched.fill_step_rows, mp_common.apply_grammar_bitmask
 
     # The producer's step (every path: few requests walk straight into the serial walk, more go
     # through fill_draft_masks).
@@ -55,7 +55,7 @@ def _instrument() -> dict[str, int]:
         real_apply(logits, bitmask, mapping, cu, **kw)
 
     mp_sched.fill_step_rows = fill
-    mp_worker.apply_grammar_bitmask = apply
+    mp_common.apply_grammar_bitmask = apply
     return counts
 
 

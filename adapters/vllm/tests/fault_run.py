@@ -86,12 +86,12 @@ class FaultyMatcher:
 
 def _inject() -> dict[str, Any]:
     """Wrap the marked requests' matchers; record which grammars fail and how."""
-    from maskplug_vllm import backend, scheduler
+    from maskplug_vllm import backend, common
 
     seen: dict[str, Any] = {"wrapped": [], "producer_failed": [], "log": []}
     real_compile = backend.MaskplugBackend.compile_grammar
     real_accept = backend.MaskplugGrammar.accept_tokens
-    real_fail_requests = scheduler.fail_requests
+    real_fail_requests = common.fail_requests
 
     def compile_grammar(self: Any, request_type: Any, grammar_spec: str, *args: Any, **kwargs: Any) -> Any:
         grammar = real_compile(self, request_type, grammar_spec, *args, **kwargs)
@@ -114,7 +114,7 @@ def _inject() -> dict[str, Any]:
 
     backend.MaskplugBackend.compile_grammar = compile_grammar  # type: ignore[method-assign]
     backend.MaskplugGrammar.accept_tokens = accept_tokens  # type: ignore[method-assign]
-    scheduler.fail_requests = fail_requests
+    common.fail_requests = fail_requests
 
     class Records(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+from typing import Any
 
 import maskplug_vllm
 import pytest
@@ -97,6 +98,10 @@ def test_each_tested_release_has_its_own_implementations() -> None:
         patches.implementations("0.34.0")
 
 
+def _closed_over(fn: Any) -> list[Any]:
+    return [getattr(c.cell_contents, "__code__", c.cell_contents) for c in fn.__closure__]
+
+
 def test_install_uses_the_installed_release_implementations() -> None:
     impl = patches.implementations()
     try:
@@ -106,7 +111,11 @@ def test_install_uses_the_installed_release_implementations() -> None:
         for attr in ("grammar_init", "grammar_bitmask"):
             wrapper = getattr(StructuredOutputManager, attr)
             assert wrapper.__wrapped__ is patches.original(StructuredOutputManager, attr)
-            assert wrapper.__code__.co_filename == getattr(impl, f"make_{attr}").__code__.co_filename
+            # Made by this release's factory: the same code, closed over the same release hooks
+            # (functions compared by their code: the factory makes its hooks afresh).
+            fresh = getattr(impl, f"make_{attr}")(patches.original(StructuredOutputManager, attr))
+            assert wrapper.__code__ is fresh.__code__
+            assert _closed_over(wrapper) == _closed_over(fresh)
     finally:
         maskplug_vllm.uninstall()
     assert not maskplug_vllm.installed()

@@ -1,0 +1,146 @@
+"""What the vLLM 0.32 and 0.33 structured-output replacements share.
+
+The two releases differ in the mask-row layout only (ragged rows in 0.32,
+fixed blocks in 0.33), so each release module (:mod:`maskplug_vllm.worker`
+and :mod:`maskplug_vllm.scheduler` for 0.32, :mod:`maskplug_vllm.v0_33`)
+says how its rows are counted, filled and mapped, and leaves the rest to
+this module:
+
+* :func:`apply_rows`: the scheduler's numpy bitmask moved to the logits'
+  device and applied through a row mapping (both workers of both releases);
+* :func:`make_grammar_init`: the wrapper of ``StructuredOutputManager.grammar_init``
+  that installs :class:`~maskplug_vllm.backend.MaskplugBackend`;
+* :func:`make_grammar_bitmask`: the wrapper of ``StructuredOutputManager.grammar_bitmask``
+  that binds the step's grammars, keeps vLLM's own loop for the steps
+  maskplug's producer does not cover, sizes the bitmask, fills it and fails
+  the requests whose grammars failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from maskplug import DraftMasks, apply_grammar_bitmask
+from maskplug.engines.sdk import wraps
+
+from .backend import MaskplugBackend, bind_grammars, fail_requests, provider_for
+
+__all__ = ["FillRows", "RowsNeeded", "apply_rows", "bitmask_to", "make_grammar_bitmask", "make_grammar_init"]
+
+RowsNeeded = Callable[[Sequence[str], Mapping[str, Sequence[int]], int], int]
+"""``(grammar_req_ids, spec_tokens, stride) -> rows the step needs``; ``stride`` is ``num_speculative_tokens + 1``."""
+
+FillRows = Callable[[torch.Tensor, list[Any], list[str], dict[str, list[int]], int], tuple[int, DraftMasks]]
+"""``(bitmask, grammars, grammar_req_ids, spec_tokens, stride) -> (rows written, draft masks)``."""
+
+
+def bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The scheduler's numpy bitmask as an int32 tensor on ``device`` (asynchronous on CUDA).
+
+    ``out``, a device buffer at least as tall and exactly as wide, receives
+    the copy when given (the worker's own bitmask buffer); otherwise a new
+    device tensor does.
+    """
+    host = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    if device.type == "cpu":
+        return host
+    host = host.pin_memory()
+    if out is not None and out.shape[0] >= host.shape[0] and out.shape[1] == host.shape[1]:
+        return out[: host.shape[0]].copy_(host, non_blocking=True)
+    return host.to(device, non_blocking=True)
+
+
+def apply_rows(
+    logits: torch.Tensor, bitmask_np: np.ndarray, mapping: Any, cu: Any, out: torch.Tensor | None = None
+) -> None:
+    """Mask ``logits`` in place with the scheduler's rows through ``mapping`` (rows past the mask masked as tail).
+
+    ``cu`` are the live logits-row offsets per request (host or device);
+    ``out`` is the device buffer for the bitmask copy (see :func:`bitmask_to`).
+    """
+    bitmask = bitmask_to(logits.device, bitmask_np, out)
+    # vLLM sizes both from the model's vocabulary; take the common part so a
+    # narrower mask never reads past its words (the rest is masked as tail).
+    vocab_size = int(min(logits.shape[1], 32 * bitmask.shape[1]))
+    apply_grammar_bitmask(logits, bitmask, mapping, cu, vocab_size=vocab_size, tail="mask")
+
+
+def make_grammar_init(orig: Callable[..., Any], *, record_backend_name: bool) -> Callable[..., Any]:
+    """Wrap ``StructuredOutputManager.grammar_init`` so the engine's backend is maskplug's.
+
+    With ``record_backend_name`` the wrapper also sets the manager's
+    ``backend_name`` to the backend vLLM resolved, as vLLM 0.33 does when it
+    creates the backend itself (its one-backend-per-engine check reads it).
+    """
+
+    @wraps(orig)
+    def grammar_init(self: Any, request: Any) -> None:
+        if request.structured_output_request is not None and self.backend is None:
+            structured = request.sampling_params.structured_outputs
+            vllm_backend = structured._backend
+            self.backend = MaskplugBackend(
+                self.vllm_config,
+                tokenizer=self.tokenizer,
+                vocab_size=self.vllm_config.model_config.get_vocab_size(),
+                provider_name=provider_for(vllm_backend, was_auto=structured._backend_was_auto),
+            )
+            if record_backend_name:
+                self.backend_name = vllm_backend
+        orig(self, request)
+
+    return grammar_init
+
+
+def make_grammar_bitmask(
+    orig: Callable[..., Any], *, rows: RowsNeeded, fill: FillRows, record: str | None = None
+) -> Callable[..., Any]:
+    """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
+
+    ``rows`` says how many bitmask rows the step needs and ``fill`` writes
+    them (the release's layout); a manager buffer too small for the step is
+    replaced by one for a full batch of full windows (``max_num_seqs ×
+    stride`` rows, or the step's need if more). ``record``, when given, names the manager
+    attribute that gets the step's ``(grammar_req_ids, DraftMasks)``, or
+    ``None`` when vLLM's own loop produced the rows.
+    """
+
+    @wraps(orig)
+    def grammar_bitmask(
+        self: Any,
+        requests: dict[str, Any],
+        structured_output_request_ids: list[str],
+        scheduled_spec_decode_tokens: dict[str, list[int]],
+    ) -> Any:
+        backend = self.backend
+        if record is not None:
+            setattr(self, record, None)
+        if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
+            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        ids = list(structured_output_request_ids)
+        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
+        grammars = bind_grammars(requests, ids)
+        # A reasoning parser that gates the grammar inside the window (and the
+        # masked reasoning-end tokens that come with it), and diffusion models
+        # (no bonus row), stay on vLLM's own loop over the same grammars.
+        reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
+        if reasoning_gate or self.vllm_config.model_config.is_diffusion:
+            return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+        stride = int(self.vllm_config.num_speculative_tokens) + 1
+        need = rows(ids, scheduled_spec_decode_tokens, stride)
+        max_rows = self.vllm_config.scheduler_config.max_num_seqs * stride
+        if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
+            self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
+        total, dm = fill(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, stride)
+        if dm.failed:
+            # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
+            fail_requests(grammars, ids, dm.failed)
+        if record is not None:
+            setattr(self, record, (ids, dm))
+        # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
+        return self._grammar_bitmask[:total].numpy()
+
+    return grammar_bitmask
