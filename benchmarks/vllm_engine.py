@@ -188,10 +188,10 @@ def child(spec_json: str) -> None:
     _closed_loop(engine, _structured_workload(64, 0, kind), 64, 2, "compile")
     results: list[dict[str, Any]] = []
     names = cfg["schedulers"] or [None]
+    if cfg["schedulers"]:
+        import maskplug_vllm
     for name in names:
         if name is not None and tp == 1:
-            import maskplug_vllm
-
             maskplug_vllm.set_scheduler(name)
         for c in cfg["concurrency"]:
             n = max(cfg["min_requests"], cfg["requests_per_slot"] * c)
@@ -210,7 +210,11 @@ def child(spec_json: str) -> None:
                 file=sys.stderr,
                 flush=True,
             )
-    print(json.dumps(results))
+    print(_RESULTS + json.dumps(results), flush=True)
+
+
+#: Prefix of the child's results line: engine worker processes may write to the same stdout after it.
+_RESULTS = "maskplug-engine-results: "
 
 
 def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
@@ -225,7 +229,10 @@ def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
             print(line[2:], flush=True)
     if proc.returncode != 0:
         raise SystemExit(f"engine {cfg['label']} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(_RESULTS)]
+    if not lines:
+        raise SystemExit(f"engine {cfg['label']} printed no results:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return json.loads(lines[-1][len(_RESULTS) :])  # type: ignore[no-any-return]
 
 
 def _load() -> str:
