@@ -9,9 +9,10 @@ argument handling of ``fill_chains``.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -23,9 +24,15 @@ from .protocols import BatchOps, CompiledGrammar, Matcher
 from .rows import stop_row
 from .spec import GrammarSpec, Vocab
 
+if TYPE_CHECKING:
+    # Imported where used: maskplug.grammar.limits is also the compile workers' start-up script
+    # (python -m maskplug.grammar.limits), which must not be imported with the package before it runs.
+    from .limits import BuildFn, CompileWorker
+
 __all__ = [
     "BatchOpsBase",
     "ChainOpsBase",
+    "Chains",
     "CompileCache",
     "FailedMatcher",
     "MatcherBase",
@@ -48,7 +55,9 @@ class CompileCache:
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self.hits = 0
+        """Lookups answered from the cache."""
         self.misses = 0
+        """Lookups that compiled (failed compiles included)."""
 
     def get_or_compile(self, spec: GrammarSpec, compile_fn: Callable[[GrammarSpec], Any]) -> Any:
         """The cached value for ``spec``, compiling it with ``compile_fn`` on a miss."""
@@ -92,16 +101,51 @@ class ProviderBase(Generic[_G]):
     which raises :class:`GrammarError` with the engine's reason on failure.
     The type parameter is the provider's compiled-grammar class, so
     ``compile`` is typed with it (``ProviderBase[MyGrammar]``).
+
+    A provider whose compiles must stop at a limit calls :meth:`_use_worker`
+    in its ``__init__`` and asks :meth:`_limit_for` in ``_compile`` whether to
+    compile in the calling process (None) or with :meth:`_run_in_worker`
+    under the limit it returns (see :mod:`maskplug.grammar.limits`).
     """
 
     name: ClassVar[str] = ""
+    """The provider's registry name (also in error messages)."""
     kinds: frozenset[str] = frozenset()
+    """The spec kinds it compiles (a subset of :data:`~maskplug.grammar.SPEC_KINDS`)."""
+    compile_limit_s: float | None = None
+    """Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`."""
+    worker: CompileWorker
+    """The compile worker process of a provider that compiles under a limit (set by :meth:`_use_worker`;
+    a provider that never calls it has none)."""
 
     def __init__(self, vocab: Vocab) -> None:
         if not isinstance(vocab, Vocab):
             raise GrammarError(f"vocab: expected a maskplug Vocab, got {type(vocab).__name__}")
         self.vocab = vocab
+        """The vocabulary every grammar is compiled for."""
         self.cache = CompileCache()
+        """Compiled grammars by spec key (successes only)."""
+
+    def _use_worker(self, compile_limit_s: Any, build: BuildFn, *args: Any) -> None:
+        """Compile under ``compile_limit_s`` (checked; None: no limit) in a :class:`CompileWorker` whose start-up
+        process runs ``build(*args)`` for its compile function."""
+        from .limits import CompileWorker, check_limit
+
+        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
+        self.worker = CompileWorker(self.name, build, args)
+
+    def _limit_for(self, spec: GrammarSpec) -> float | None:
+        """The limit for compiling ``spec`` with :attr:`worker` (the spec's own, else the provider's), or None
+        to compile in this process: no limit holds or there is no worker. Both limits are checked here (a
+        :class:`GrammarError` naming the bad one), so a ``compile_limit_s`` set after construction is too."""
+        from .limits import check_limit, effective_limit
+
+        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        return limit if hasattr(self, "worker") else None
+
+    def _run_in_worker(self, spec: GrammarSpec, limit: float) -> Any:
+        """What the worker's compile function returns for ``spec`` within ``limit`` (:meth:`CompileWorker.run`)."""
+        return self.worker.run(spec, limit)
 
     def supports(self, kind: str) -> bool:
         """Whether this provider compiles specs of ``kind``."""
@@ -205,10 +249,13 @@ class MatcherBase:
     """
 
     releases_gil: ClassVar[bool] = False
+    """Whether the engine's fill and accept run without the GIL (threads over matchers then gain)."""
     batch_ops: BatchOps | None = None
+    """The provider's batch operations over its matchers (None: maskplug calls each matcher)."""
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
+        """The vocabulary of the grammar."""
         self._terminated = False
         self._stop_row: torch.Tensor | None = None
 
@@ -344,11 +391,12 @@ class MatcherBase:
 class BatchOpsBase:
     """:class:`BatchOps` as per-matcher calls; providers override what their engine does in bulk."""
 
-    # Whether fill_chains sets the single-token flags of the rows it writes (see ChainOps).
     fills_forced: ClassVar[bool] = False
+    """Whether ``fill_chains`` sets the single-token flags of the rows it writes (see :class:`ChainOps`)."""
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
+        """The vocabulary of the matchers."""
 
     def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
         """``matchers[i].fill(bitmask, rows[i])`` for all ``i``."""
@@ -369,16 +417,48 @@ class BatchOpsBase:
 M = TypeVar("M", bound=MatcherBase)
 
 
+class Chains(NamedTuple):
+    """The checked arguments of :meth:`ChainOpsBase.fill_chains`, as ``_fill_chains`` receives them."""
+
+    bitmask: torch.Tensor
+    """The CPU int32 buffer the rows go into (checked: every row below fits)."""
+    rows: list[int]
+    """Each request's first row: row ``rows[i] + p`` is the mask after ``drafts[i][:p]``."""
+    drafts: Sequence[Sequence[int]]
+    """Each request's draft tokens."""
+    workers: int
+    """Threads the walk may use (at least 1, at most one per request)."""
+    forced: npt.NDArray[np.bool_] | None
+    """One flag per bitmask row, for providers with ``fills_forced`` (None: not asked for)."""
+
+
 class ChainOpsBase(BatchOpsBase, Generic[M]):
     """:class:`ChainOps` with the argument handling done: subclasses implement :meth:`_fill_chains`.
 
     ``fill_chains`` checks the buffer and the rows, and that every matcher is a
     live one of ``matcher_type``, before anything is written, then hands over.
     ``default_threads`` is the worker count when the caller gives none.
+
+    A subclass written for the earlier hook, ``_fill_chains(matchers, bitmask,
+    rows, drafts, workers, forced)``, keeps working: it is given the fields of
+    :class:`Chains` one by one.
     """
 
     matcher_type: type[M]
+    """The provider's matcher class; ``fill_chains`` refuses any other."""
     default_threads: int = 1
+    """Threads ``fill_chains`` uses when the caller gives none."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hook = cls.__dict__.get("_fill_chains")
+        if hook is not None and len(inspect.signature(hook).parameters) == 2 + len(Chains._fields):
+            spread = hook
+
+            def _fill_chains(self: Any, matchers: list[Any], chains: Chains) -> list[int]:
+                return spread(self, matchers, *chains)  # type: ignore[no-any-return]
+
+            cls._fill_chains = _fill_chains  # type: ignore[method-assign]
 
     def fill_chains(
         self,
@@ -404,18 +484,17 @@ class ChainOpsBase(BatchOpsBase, Generic[M]):
         if not n:
             return []
         workers = min(n, self.default_threads if threads is None else max(1, int(threads)))
-        return self._fill_chains(owners, bitmask, [int(r) for r in rows], drafts, workers, forced)
+        return self._fill_chains(owners, Chains(bitmask, [int(r) for r in rows], drafts, workers, forced))
 
-    def _fill_chains(
-        self,
-        matchers: list[M],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        drafts: Sequence[Sequence[int]],
-        workers: int,
-        forced: npt.NDArray[np.bool_] | None,
-    ) -> list[int]:
-        """The engine's walk over checked arguments (``workers`` >= 1 threads may be used)."""
+    def _fill_chains(self, matchers: list[M], chains: Chains) -> list[int]:
+        """The engine's walk over checked arguments; how many drafts each matcher accepts.
+
+        Row ``chains.rows[i] + p`` becomes the mask after ``chains.drafts[i][:p]``
+        for every ``p`` up to that count: the walk stops at the first draft the
+        mask refuses (its row is written) or just after an accepted stop token
+        (the row after it is not). Matchers end where they started, also on
+        error. ``chains.workers`` threads may be used.
+        """
         raise NotImplementedError
 
 
@@ -433,32 +512,42 @@ class FailedMatcher:
     """
 
     batch_ops = None
+    """No batch operations: the producer calls this matcher, and meets its error."""
     releases_gil = False
+    """Nothing to run without the GIL."""
 
     def __init__(self, vocab: Vocab | None, error: GrammarError | str) -> None:
         self.vocab = vocab
+        """The request's vocabulary (None where the engine does not say)."""
         self._text = str(error)
 
     def _error(self) -> GrammarError:
         return GrammarError(f"the grammar failed earlier: {self._text}")
 
     def accept(self, token: int) -> bool:
+        """Raises the grammar's error."""
         raise self._error()
 
     def validate(self, tokens: Sequence[int]) -> int:
+        """Raises the grammar's error."""
         raise self._error()
 
     def rollback(self, n: int) -> None:
+        """Raises the grammar's error."""
         raise self._error()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Raises the grammar's error (the producer then writes the stop-only row)."""
         raise self._error()
 
     def is_terminated(self) -> bool:
+        """False: the producer asks for a row, and meets the error."""
         return False
 
     def reset(self) -> None:
+        """Raises the grammar's error."""
         raise self._error()
 
     def fork(self) -> Matcher:
+        """Raises the grammar's error."""
         raise self._error()

@@ -78,22 +78,22 @@ __all__ = [
     "wall_backstop",
 ]
 
-#: CPU seconds a compile may take unless the provider or the call says otherwise: about twice the
-#: slowest real JSONSchemaBench schema xgrammar compiles over tekken (5.1 CPU s; llguidance 0.7 s),
-#: so only compiles that are stuck (xgrammar's 305 s outlier, outlines-core's minutes-long indexes) stop.
 DEFAULT_COMPILE_LIMIT_S = 10.0
-#: The largest finite limit (about 28 hours): its wall-clock backstop must fit the OS's timeouts
-#: (``poll`` takes a C int of milliseconds, about 24.8 days); ``math.inf`` means no limit.
+"""CPU seconds a compile may take unless the provider or the call says otherwise: about twice the
+slowest real JSONSchemaBench schema xgrammar compiles over tekken (5.1 CPU s; llguidance 0.7 s),
+so only compiles that are stuck (xgrammar's 305 s outlier, outlines-core's minutes-long indexes) stop."""
 MAX_COMPILE_LIMIT_S = 1e5
-#: The wall-clock backstop is this many times the limit ...
+"""The largest finite limit (about 28 hours): its wall-clock backstop must fit the OS's timeouts
+(``poll`` takes a C int of milliseconds, about 24.8 days); ``math.inf`` means no limit."""
 WALL_BACKSTOP_FACTOR = 10.0
-#: ... and at least this many seconds above it (start-up and a loaded machine on short limits).
+"""The wall-clock backstop is this many times the limit (:func:`wall_backstop`) ..."""
 WALL_BACKSTOP_MIN_S = 10.0
-#: Seconds the start-up process may take in all (import the engine, build the tokenizer); a request
-#: waits for it at most its own wall-clock backstop.
+"""... and at least this many seconds above it (start-up and a loaded machine on short limits)."""
 STARTUP_LIMIT_S = 180.0
-#: A compile server with no compile, or a start-up process with no fork, for this long exits.
+"""Seconds the start-up process may take in all (import the engine, build the tokenizer); a request
+waits for it at most its own wall-clock backstop."""
 IDLE_EXIT_S = 120.0
+"""A compile server with no compile, or a start-up process with no fork, for this long exits."""
 
 BuildFn = Callable[..., Callable[[GrammarSpec], Any]]
 
@@ -282,7 +282,10 @@ class CompileWorker:
     """
 
     def __init__(self, name: str, build: BuildFn, args: tuple[Any, ...]) -> None:
+        """``name``: the provider's; ``build(*args)``, run once in the start-up process, returns the compile function
+        (``build`` must be importable by its module and name, and ``args`` picklable)."""
         self.name = name
+        """The provider's name, in error messages."""
         self._build = build
         self._args = args
         self._lock = threading.Lock()
@@ -296,10 +299,15 @@ class CompileWorker:
         self._recv: Connection | None = None
         self._finalizer: Any = None
         self.started = 0
+        """Compile servers started."""
         self.killed = 0
+        """Compile servers ended for running past a limit or a backstop."""
         self.compiles = 0
+        """Compiles answered (successes and the engine's errors)."""
         self.last_cpu_s: float | None = None
+        """CPU seconds of the latest compile sent to the server (answered or stopped)."""
         self.last_wall_s: float | None = None
+        """Wall-clock seconds of the latest compile sent to the server (answered or stopped)."""
         self._last_used = -math.inf
         self._forked_at = -math.inf
 

@@ -29,13 +29,6 @@ GRAMMAR_ENGINES = frozenset({"xgrammar", "llguidance", "outlines_core"})
 KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
     {
         ("adapters/vllm/maskplug_vllm/adaptive.py", "maskplug.schedulers"),
-        # Design §8 names maskplug.grammar.limits as public to providers; the compile
-        # workers are to be re-exported by maskplug.grammar.sdk and these switched.
-        ("grammars/llguidance/maskplug_llguidance/provider.py", "maskplug.grammar.limits"),
-        ("grammars/llguidance/maskplug_llguidance/provider.py", "maskplug.grammar.spec"),
-        ("grammars/outlines/maskplug_outlines/provider.py", "maskplug.grammar.limits"),
-        ("grammars/outlines/maskplug_outlines/provider.py", "maskplug.grammar.spec"),
-        ("grammars/xgrammar/maskplug_xgrammar/provider.py", "maskplug.grammar.limits"),
     }
 )
 

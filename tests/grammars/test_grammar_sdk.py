@@ -25,6 +25,7 @@ from maskplug.grammar import ChainOps, grammar_provider
 from maskplug.grammar.sdk import (
     BatchOps,
     ChainOpsBase,
+    Chains,
     GrammarError,
     GrammarSpec,
     Matcher,
@@ -113,33 +114,38 @@ class PrefixOps(ChainOpsBase[PrefixMatcher]):
     def __init__(self, vocab: Vocab) -> None:
         super().__init__(vocab)
         self.chain_calls = 0
+        self.last: Chains | None = None
 
-    def _fill_chains(
-        self,
-        matchers: list[PrefixMatcher],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        drafts: Sequence[Sequence[int]],
-        workers: int,
-        forced: npt.NDArray[np.bool_] | None,
-    ) -> list[int]:
+    def _fill_chains(self, matchers: list[PrefixMatcher], chains: Chains) -> list[int]:
         self.chain_calls += 1
-        out = []
-        for m, r0, d in zip(matchers, rows, drafts, strict=True):
-            took = 0
-            try:
-                for p in range(len(d) + 1):
-                    m.fill(bitmask, r0 + p)
-                    if p == len(d) or not m.accept(int(d[p])):
-                        break
-                    took += 1
-                    if m.is_terminated():
-                        break
-            finally:
-                if took:
-                    self.rollback([m], [took])
-            out.append(took)
-        return out
+        self.last = chains
+        return walk_chains(self, matchers, chains.bitmask, chains.rows, chains.drafts)
+
+
+def walk_chains(
+    ops: ChainOpsBase[PrefixMatcher],
+    matchers: Sequence[PrefixMatcher],
+    bitmask: torch.Tensor,
+    rows: Sequence[int],
+    drafts: Sequence[Sequence[int]],
+) -> list[int]:
+    """Each chain walked with the matcher's own calls, then rolled back."""
+    out = []
+    for m, r0, d in zip(matchers, rows, drafts, strict=True):
+        took = 0
+        try:
+            for p in range(len(d) + 1):
+                m.fill(bitmask, r0 + p)
+                if p == len(d) or not m.accept(int(d[p])):
+                    break
+                took += 1
+                if m.is_terminated():
+                    break
+        finally:
+            if took:
+                ops.rollback([m], [took])
+        out.append(took)
+    return out
 
 
 class PrefixProvider(ProviderBase[PrefixGrammar]):
@@ -236,6 +242,47 @@ def test_fill_chains_checks_everything_before_writing() -> None:
     assert ops.fill_chains([], bm, [], []) == [] and ops.chain_calls == 0
     # A matcher of another provider instance of the same class is a PrefixMatcher: taken.
     assert ops.fill_chains([twin], bm, [0], [[tid(v, b"a")]], threads=4) == [1]
+    # The hook gets the checked arguments: rows as ints, workers at most one per request.
+    assert ops.last is not None
+    assert ops.last.bitmask is bm and ops.last.rows == [0] and ops.last.workers == 1 and ops.last.forced is None
+
+
+class EarlierHookOps(ChainOpsBase[PrefixMatcher]):
+    """A subclass written for the six-argument hook of earlier releases."""
+
+    matcher_type = PrefixMatcher
+
+    def __init__(self, vocab: Vocab) -> None:
+        super().__init__(vocab)
+        self.seen: tuple[list[int], int, Any] | None = None
+
+    def _fill_chains(  # type: ignore[override]
+        self,
+        matchers: list[PrefixMatcher],
+        bitmask: torch.Tensor,
+        rows: list[int],
+        drafts: Sequence[Sequence[int]],
+        workers: int,
+        forced: npt.NDArray[np.bool_] | None,
+    ) -> list[int]:
+        self.seen = (rows, workers, forced)
+        return walk_chains(self, matchers, bitmask, rows, drafts)
+
+
+def test_a_subclass_of_the_earlier_six_argument_hook_keeps_working() -> None:
+    p = _provider()
+    v = p.vocab
+    c = _compiled(p)
+    drafts = [[tid(v, b"a"), tid(v, b"b"), tid(v, b"c"), 0], [tid(v, b"b"), tid(v, b"x")]]
+    old, new = EarlierHookOps(v), p.batch_ops
+    got = []
+    for ops in (old, new):
+        bm = v.new_bitmask(8)
+        counts = ops.fill_chains([c.matcher(), c.matcher()], bm, [0, 5], drafts, threads=3)
+        got.append((counts, bm.clone()))
+    assert got[0][0] == got[1][0] == [4, 1]
+    assert torch.equal(got[0][1], got[1][1])
+    assert old.seen == ([0, 5], 2, None)
 
 
 def test_matcher_base_bookkeeping() -> None:

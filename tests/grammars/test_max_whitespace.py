@@ -1,9 +1,10 @@
 """GrammarSpec.max_whitespace: the most whitespace characters in a row between JSON items.
 
 A bounded run stops a model that keeps emitting whitespace; the default
-admits pretty-printed JSON (``json.dumps(indent=2)``) for xgrammar and
-llguidance. outlines-core's own flexible whitespace (at most one space)
-honours every bound of 1 or more and takes no newlines.
+admits pretty-printed JSON (``json.dumps(indent=2)``). Every provider is
+held to the same table of cases: xgrammar through ``max_whitespace_cnt``,
+llguidance and outlines-core through the whitespace pattern
+``json_whitespace_regex`` gives.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from maskplug_xgrammar import XGrammarProvider
 from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
 from maskplug.grammar import GrammarSpec, Vocab
+from maskplug.grammar.sdk import json_whitespace_regex
 from maskplug.grammar.spec import DEFAULT_MAX_WHITESPACE
 from maskplug.grammar.vocabs import mistral_sentencepiece
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
 CLASSES = {"xgrammar": XGrammarProvider, "llguidance": LLGuidanceProvider, "outlines-core": OutlinesProvider}
+NAMES = sorted(CLASSES)
 WS = frozenset(b" \t\n\r")
 
 
@@ -67,6 +70,28 @@ def test_default_options_and_key() -> None:
     )
     with pytest.raises(TypeError):
         GrammarSpec("json_schema", SCHEMA, 10)  # type: ignore[arg-type,misc]  # keyword-only
+
+
+@pytest.mark.parametrize("bad", [True, -1, 1.5, "20"])
+def test_the_sdk_pattern_refuses_bad_bounds_by_name(bad: Any) -> None:
+    with pytest.raises(GrammarError, match="max_whitespace"):
+        json_whitespace_regex(bad)
+
+
+def test_the_sdk_pattern() -> None:
+    assert json_whitespace_regex(None) == r"[\x20\x0A\x0D\x09]*"
+    assert json_whitespace_regex(0) == ""
+    assert json_whitespace_regex(1) == r"[\x20\x0A\x0D\x09]{0,1}"
+    assert json_whitespace_regex(24) == r"[\x20\x0A\x0D\x09]{0,24}"
+
+
+@pytest.mark.parametrize("n", [None, 1, 7, DEFAULT_MAX_WHITESPACE])
+def test_outlines_regex_has_the_bound_at_every_whitespace_position(n: int | None) -> None:
+    regex = provider("outlines-core").regex_for(GrammarSpec("json_schema", SCHEMA, max_whitespace=n))
+    ws = json_whitespace_regex(n)
+    # Around the braces, the key, the colon and the comma of {"a": 1, "b": ""}.
+    assert regex.count(ws) >= 7, regex
+    assert "[ ]?" not in regex.replace(ws, "")
 
 
 def test_provider_cache_tells_bounds_apart() -> None:
@@ -111,7 +136,7 @@ def greedy_whitespace(name: str, spec: GrammarSpec, prefix: str) -> int:
     return run
 
 
-@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", NAMES)
 def test_ten_thousand_spaces_stop_at_the_bound(name: str) -> None:
     spec = GrammarSpec("json_schema", SCHEMA)
     assert space_run(name, spec, '{"a":', 10_000) == DEFAULT_MAX_WHITESPACE
@@ -120,20 +145,22 @@ def test_ten_thousand_spaces_stop_at_the_bound(name: str) -> None:
     assert greedy_whitespace(name, GrammarSpec("json_schema", SCHEMA, max_whitespace=7), "{") == 7
 
 
-def test_outlines_whitespace_stays_within_every_bound() -> None:
-    for n in (None, 1, 5, DEFAULT_MAX_WHITESPACE):
-        spec = GrammarSpec("json_schema", SCHEMA, max_whitespace=n)
-        assert space_run("outlines-core", spec, '{"a":', 10_000) == 1
-        assert greedy_whitespace("outlines-core", spec, '{"a": 1,') == 1
+@pytest.mark.parametrize("name", NAMES)
+def test_a_bound_of_one_takes_one_character_of_any_kind(name: str) -> None:
+    spec = GrammarSpec("json_schema", SCHEMA, max_whitespace=1)
+    assert space_run(name, spec, '{"a":', 10_000) == 1
+    for ws in (" ", "\n", "\t", "\r"):
+        assert accepts(name, spec, '{"a":' + ws + "1}"), repr(ws)
+    assert not accepts(name, spec, '{"a":\n 1}')
 
 
-@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", NAMES)
 def test_no_bound_lets_a_long_run_through(name: str) -> None:
     spec = GrammarSpec("json_schema", SCHEMA, max_whitespace=None)
     assert space_run(name, spec, '{"a":', 300) == 300
 
 
-@pytest.mark.parametrize("name", sorted(CLASSES))
+@pytest.mark.parametrize("name", NAMES)
 def test_zero_and_compact_allow_no_whitespace(name: str) -> None:
     for spec in (
         GrammarSpec("json_schema", SCHEMA, max_whitespace=0),
@@ -176,7 +203,7 @@ def nested_instances() -> list[tuple[str, Any, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", NAMES)
 def test_pretty_printed_instances_are_accepted(name: str) -> None:
     cases = nested_instances()
     assert len(cases) >= 5
@@ -200,15 +227,14 @@ def test_pretty_printed_instances_are_accepted(name: str) -> None:
     assert tried >= 5
 
 
-@pytest.mark.parametrize("name", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", NAMES)
 def test_deep_indentation_meets_the_bound(name: str) -> None:
     """The bound counts the newline too: 23 spaces after it fit the default, 24 do not."""
     spec = GrammarSpec("json_schema", SCHEMA)
     assert accepts(name, spec, '{"a":\n' + " " * 23 + "1}")
     assert not accepts(name, spec, '{"a":\n' + " " * 24 + "1}")
 
-
-def test_outlines_refuses_newlines() -> None:
-    spec = GrammarSpec("json_schema", SCHEMA)
-    assert accepts("outlines-core", spec, '{"a": 1, "b": "x"}')
-    assert not accepts("outlines-core", spec, '{\n  "a": 1\n}')
+    # The newline and the indentation are one run: a smaller bound refuses it.
+    small = GrammarSpec("json_schema", SCHEMA, max_whitespace=2)
+    assert accepts(name, small, '{\n "a": 1\n}')
+    assert not accepts(name, small, '{\n  "a": 1\n}')

@@ -36,22 +36,22 @@ What this module normalises, so callers see maskplug's matcher semantics:
   default; vLLM's too); ``"compact"`` turns it off with separators ``,`` and
   ``:``. ``strict_keys=True`` closes every object to the keys the schema
   names for it anywhere (across ``allOf``/``anyOf``/``oneOf`` branches and
-  ``$ref`` targets, :func:`maskplug.grammar.spec.strict_keys_schema`); a
+  ``$ref`` targets, :func:`maskplug.grammar.sdk.strict_keys_schema`); a
   plain ``"additionalProperties": false`` on each object schema (what
   vLLM's ``guidance_disable_additional_properties`` does) made compositions
   whose required keys sit in another branch unsatisfiable. False leaves the
   schema as it is (llguidance follows JSON Schema: unlisted keys allowed).
   ``max_whitespace=N`` is the JSON option ``whitespace_pattern``
-  ``[\x20\x0a\x0d\x09]{0,N}`` (None: llguidance's own unbounded whitespace;
-  ``0``: the compact grammar).
+  ``[\x20\x0a\x0d\x09]{0,N}`` (:func:`maskplug.grammar.sdk.json_whitespace_regex`;
+  None: llguidance's own unbounded whitespace; ``0``: the compact grammar).
   ``unsupported="ignore"`` is llguidance's ``lenient`` (unimplemented keywords
   are left out; its warnings, e.g. ``Unimplemented keys: ["uniqueItems"]``, go
   into the compiled grammar's ``warnings``); ``"refuse"`` is llguidance's
   default (it refuses them).
 * **Compile limits**: with a ``compile_limit_s`` (default
-  :data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`) the grammar is
+  :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`) the grammar is
   built and checked in a worker process killed at the limit
-  (:class:`maskplug.grammar.limits.CompileWorker`); the checked grammar text
+  (:class:`maskplug.grammar.sdk.CompileWorker`); the checked grammar text
   comes back and the matcher template is made from it here (the same work the
   worker just finished within the limit).
 * **Batch fills** run on llguidance's ``LLExecutor`` thread pool without the
@@ -73,22 +73,21 @@ import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer, TokenizerWrapper
 from llguidance.gbnf_to_lark import any_to_lark
 
-from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
+from maskplug import GrammarError, GrammarSpec, Matcher, Vocab
 from maskplug.grammar.sdk import (
+    DEFAULT_COMPILE_LIMIT_S,
     ChainOpsBase,
-    GrammarError,
-    GrammarSpec,
-    Matcher,
+    Chains,
     MatcherBase,
     ProviderBase,
-    Vocab,
     bits_row,
     check_choice,
+    json_whitespace_regex,
     schema_dict,
     spread_tasks,
+    strict_keys_schema,
     text_ids,
 )
-from maskplug.grammar.spec import strict_keys_schema
 
 __all__ = ["LLGuidanceBatchOps", "LLGuidanceGrammar", "LLGuidanceMatcher", "LLGuidanceProvider", "bits_row"]
 
@@ -334,32 +333,23 @@ class LLGuidanceBatchOps(ChainOpsBase[LLGuidanceMatcher]):
             out[i] = m._consumed(int(tokens[i]), bool(ok))
         return out
 
-    def _fill_chains(
-        self,
-        matchers: list[LLGuidanceMatcher],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        drafts: Sequence[Sequence[int]],
-        workers: int,
-        forced: npt.NDArray[np.bool_] | None,
-    ) -> list[int]:
+    def _fill_chains(self, matchers: list[LLGuidanceMatcher], chains: Chains) -> list[int]:
         """Walk each request's drafts straight on its engine; return how many drafts each accepts.
 
-        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` up to the
-        first draft the mask refuses, or just after an accepted stop token
-        (see :mod:`maskplug.grammar.draft`). Each row is computed by the
-        engine into the bitmask in place and normalised there; a draft is
-        taken exactly when :meth:`LLGuidanceMatcher.accept` would take it
-        (its bit in the normalised row, then the engine's consume). The
-        engine is rolled back at the end, so the matcher's own state and
-        cached masks stay valid. Requests run on ``threads`` workers: mask
-        computation releases the GIL. llguidance's executor is not used
-        here: on the 2-core benchmark machine it spent more CPU per step for
-        the same masks than this walk (``benchmarks/RESULTS.md``).
+        Each row is computed by the engine into the bitmask in place and
+        normalised there; a draft is taken exactly when
+        :meth:`LLGuidanceMatcher.accept` would take it (its bit in the
+        normalised row, then the engine's consume). The engine is rolled back
+        at the end, so the matcher's own state and cached masks stay valid.
+        Requests run on ``chains.workers`` threads: mask computation releases
+        the GIL. llguidance's executor is not used here: on the 2-core
+        benchmark machine it spent more CPU per step for the same masks than
+        this walk (``benchmarks/RESULTS.md``).
         """
+        drafts, rows = chains.drafts, chains.rows
         n = len(matchers)
         owners = matchers
-        bm = bitmask.numpy()
+        bm = chains.bitmask.numpy()
         text_row, stop_row = self.provider._text_row, self.provider._stop_row
         eos = frozenset(self.provider.vocab.eos_ids)
         nbytes = bm.shape[1] * 4
@@ -404,7 +394,7 @@ class LLGuidanceBatchOps(ChainOpsBase[LLGuidanceMatcher]):
                     m._rebuild()
             out[i] = took
 
-        spread_tasks(walk, n, workers)
+        spread_tasks(walk, n, chains.workers)
         return out
 
 
@@ -427,9 +417,7 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
         compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
     ) -> None:
         super().__init__(vocab)
-        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
-        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
-        self.worker = CompileWorker("llguidance", worker_compiler, (vocab.with_encoder(None),))
+        self._use_worker(compile_limit_s, worker_compiler, vocab.with_encoder(None))
         words = vocab.mask_words
         self._text_row = bits_row(text_ids(vocab), words)
         self._stop_row = bits_row(vocab.eos_ids, words)
@@ -481,17 +469,12 @@ class LLGuidanceProvider(ProviderBase[LLGuidanceGrammar]):
         return template
 
     def _compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
-        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        limit = self._limit_for(spec)
         if limit is None:
             grammar, warns = self.check(spec)
         else:
-            grammar, warns = self.worker.run(spec, limit)
+            grammar, warns = self._run_in_worker(spec, limit)
         return LLGuidanceGrammar(self, spec, grammar, self._template(spec, grammar), warns)
-
-
-def whitespace_pattern(n: int) -> str:
-    """llguidance's JSON whitespace lexeme for at most ``n`` whitespace characters in a row."""
-    return r"[\x20\x0A\x0D\x09]{0," + str(n) + "}"
 
 
 def grammar_text(spec: GrammarSpec) -> str:
@@ -503,7 +486,7 @@ def grammar_text(spec: GrammarSpec) -> str:
     else:
         options.update(whitespace_flexible=True)
         if spec.max_whitespace is not None:
-            options.update(whitespace_pattern=whitespace_pattern(spec.max_whitespace))
+            options.update(whitespace_pattern=json_whitespace_regex(spec.max_whitespace))
     try:
         if kind == "json_schema":
             schema = schema_dict(src)

@@ -53,16 +53,22 @@ numpy copy.
 
 Options of :class:`~maskplug.grammar.GrammarSpec` (``json_schema``):
 
-* ``whitespace="flexible"`` is outlines-core's own whitespace (its default
-  ``[ ]?``: at most one space between JSON items, which takes
-  ``json.dumps``'s ``", "`` and ``": "``; unbounded whitespace multiplies the
-  automaton's build time); ``"compact"`` is no whitespace at all;
-* ``max_whitespace``: ``[ ]?`` never exceeds a bound of 1 or more, so every
-  bound is honoured as it is (``0``: no whitespace). Pretty-printed JSON is
-  refused: an exact bounded pattern ``[ \t\n\r]{0,N}`` adds ``N`` automaton
-  states at every whitespace position, and the ``Index`` build grew from
-  0.12 s to 1.49 s (N = 20) for a small schema on a 32k vocabulary, about
-  4x more at 131k, past the default compile limit;
+* ``whitespace="flexible"`` with ``max_whitespace=N`` is the whitespace
+  pattern ``[\x20\x0A\x0D\x09]{0,N}`` at each of outlines-core's
+  whitespace positions (:func:`maskplug.grammar.sdk.json_whitespace_regex`,
+  the llguidance provider's pattern), so pretty-printed JSON
+  (``json.dumps(..., indent=2)``: a newline and the indentation) is taken
+  and a run longer than ``N`` is refused; None is
+  ``[\x20\x0A\x0D\x09]*`` (no bound), ``0`` and ``"compact"`` no whitespace
+  at all. outlines-core's own default (``[ ]?``, one optional space) is not
+  used. The bound costs automaton states: ``N`` per whitespace position, so
+  the ``Index`` build takes about 3-7 times as long at ``N = 24`` as with
+  ``[ ]?`` or an unbounded run (0.14 s to 0.92 s CPU for a 19 kB Snowplow
+  schema over a 32k vocabulary). Known gap: outlines-core's regex writes no
+  whitespace before an array's ``,`` (``[1 , 2]`` is refused; ``json.dumps``
+  never writes it), and it writes two whitespace positions side by side in
+  an empty array (after ``[`` and before ``]``), where a run of up to
+  ``2N`` is taken;
 * ``strict_keys=True`` is what outlines-core always does (only listed keys).
   Its regex builder writes ``allOf`` members one after another (two objects
   in a row) and ignores a parent's ``properties`` beside ``anyOf``/``oneOf``,
@@ -81,9 +87,9 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (``json_schema``):
   (``"refuse"``).
 
 Compile limits: with a ``compile_limit_s`` (default
-:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`) the ``Index`` is
+:data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`) the ``Index`` is
 built in a worker process killed at the limit and comes back pickled
-(:class:`maskplug.grammar.limits.CompileWorker`). Building an ``Index`` over a
+(:class:`maskplug.grammar.sdk.CompileWorker`). Building an ``Index`` over a
 131k-token vocabulary often takes longer than the default limit; set
 ``compile_limit_s`` higher (or ``None``) where that is acceptable.
 """
@@ -102,22 +108,22 @@ import torch
 from outlines_core import Guide, Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
 
-from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
+from maskplug import GrammarError, GrammarSpec, Matcher, Vocab
 from maskplug.grammar.sdk import (
+    DEFAULT_COMPILE_LIMIT_S,
     ChainOpsBase,
-    GrammarError,
-    GrammarSpec,
-    Matcher,
+    Chains,
     MatcherBase,
     ProviderBase,
-    Vocab,
     check_choice,
+    json_whitespace_regex,
+    resolve_ref,
     schema_dict,
+    schema_keywords,
     schema_text,
     stop_row,
     text_ids,
 )
-from maskplug.grammar.spec import schema_keywords
 
 __all__ = [
     "MaskCache",
@@ -468,29 +474,20 @@ class OutlinesBatchOps(ChainOpsBase[OutlinesMatcher]):
                 self._row(m, bitmask, int(r), pending)
         pending.write(bitmask)
 
-    def _fill_chains(
-        self,
-        matchers: list[OutlinesMatcher],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        drafts: Sequence[Sequence[int]],
-        workers: int,
-        forced: npt.NDArray[np.bool_] | None,
-    ) -> list[int]:
+    def _fill_chains(self, matchers: list[OutlinesMatcher], chains: Chains) -> list[int]:
         """Write each request's draft rows in one walk; return how many drafts each accepts.
 
-        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` for every ``p``
-        up to the accepted count ``a``; after an accepted stop token row
-        ``rows[i] + a`` is not written. Matchers end where they started.
-        ``workers`` is not used: the walk holds the GIL and is mostly cache
-        lookups. When ``forced`` (one flag per bitmask row) is given, the
-        flag of every written row is set to whether it allows exactly one
-        token (known per cached state, so no scan of the rows is needed).
+        ``chains.workers`` is not used: the walk holds the GIL and is mostly
+        cache lookups. When ``chains.forced`` (one flag per bitmask row) is
+        given, the flag of every written row is set to whether it allows
+        exactly one token (known per cached state, so no scan of the rows is
+        needed).
         """
+        bitmask = chains.bitmask
         pending = _Pending()
         out: list[int] = []
         eos, special, n_tokens = self._eos, self._special, self._n_tokens
-        for m, r0, seq in zip(matchers, rows, drafts, strict=True):
+        for m, r0, seq in zip(matchers, chains.rows, chains.drafts, strict=True):
             d = [int(t) for t in seq] if not isinstance(seq, list) else seq
             # The walk follows the automaton's transitions without moving the
             # guide: nothing to roll back, and a row is a cache lookup by state.
@@ -521,7 +518,7 @@ class OutlinesBatchOps(ChainOpsBase[OutlinesMatcher]):
                     else:
                         self._row_after(m, d[:p], bitmask, r0 + p, pending)
             out.append(len(states) - 1 + int(stopped))
-        pending.write(bitmask, forced)
+        pending.write(bitmask, chains.forced)
         return out
 
     def _row_after(
@@ -553,7 +550,7 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
     approximate it by a regex of bounded nesting whose automaton takes many
     seconds to build (9 s on a 32k vocabulary here), so all three are refused
     with :class:`GrammarError`. JSON schemas become outlines-core's regex,
-    which allows an optional single space between items.
+    with the spec's whitespace bound between items.
 
     ``mask_cache_bytes`` bounds each compiled grammar's :class:`MaskCache`
     (``0`` turns it off: every fill asks the engine).
@@ -569,9 +566,7 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
         compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
     ) -> None:
         super().__init__(vocab)
-        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
-        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
-        self.worker = CompileWorker("outlines-core", worker_compiler, (vocab.with_encoder(None), mask_cache_bytes))
+        self._use_worker(compile_limit_s, worker_compiler, vocab.with_encoder(None), mask_cache_bytes)
         if isinstance(mask_cache_bytes, bool) or not isinstance(mask_cache_bytes, int) or mask_cache_bytes < 0:
             raise GrammarError(f"mask_cache_bytes: expected an int >= 0, got {mask_cache_bytes!r}")
         self.mask_cache_bytes = mask_cache_bytes
@@ -626,8 +621,8 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
             folded = merge_compositions(schema)
             if folded != schema:
                 text = json.dumps(folded)
-            # None: outlines-core's own ``[ ]?``, at most one whitespace character, within any max_whitespace >= 1.
-            ws = "" if spec.whitespace == "compact" or spec.max_whitespace == 0 else None
+            # At most max_whitespace JSON whitespace characters at each position (see the module notes).
+            ws = "" if spec.whitespace == "compact" else json_whitespace_regex(spec.max_whitespace)
             try:
                 return str(build_regex_from_schema(text, whitespace_pattern=ws))
             except (ValueError, TypeError) as exc:
@@ -672,12 +667,12 @@ class OutlinesProvider(ProviderBase[OutlinesGrammar]):
         return regex, index, warns
 
     def _compile(self, spec: GrammarSpec) -> OutlinesGrammar:
-        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        limit = self._limit_for(spec)
         if limit is None:
             regex, index, warns = self.build(spec)
         else:
             self.check_options(spec)  # option errors without starting a worker
-            regex, index, warns = self.worker.run(spec, limit)
+            regex, index, warns = self._run_in_worker(spec, limit)
         return OutlinesGrammar(self, spec, regex, index, warns)
 
 
@@ -814,9 +809,7 @@ def _fold(node: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, A
     base = {k: v for k, v in node.items() if k not in _COMPOSE}
     ref = node.get("$ref")
     if isinstance(ref, str) and base.keys() - _KEEP_FIRST:
-        from maskplug.grammar.spec import _pointer
-
-        target = _merged(_pointer(root, ref), root, depth + 1)
+        target = _merged(resolve_ref(root, ref), root, depth + 1)
         if not isinstance(target, dict) or any(k in target for k in _COMPOSE):
             raise _NoMerge("$ref")
         members.append(target)
@@ -827,9 +820,7 @@ def _fold(node: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, A
             if not isinstance(m, dict):
                 raise _NoMerge("allOf")
             if "$ref" in m and len(m) == 1:
-                from maskplug.grammar.spec import _pointer
-
-                m = _merged(_pointer(root, m["$ref"]), root, depth + 1)
+                m = _merged(resolve_ref(root, m["$ref"]), root, depth + 1)
             if not isinstance(m, dict) or any(k in m for k in ("allOf", "$ref")):
                 raise _NoMerge("allOf")
             members.append(m)

@@ -41,8 +41,8 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
   with them instead.
 
 Compile limits: with a ``compile_limit_s`` (the default
-:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`), compiles run in a
-worker process (:class:`maskplug.grammar.limits.CompileWorker`) that is killed
+:data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`), compiles run in a
+worker process (:class:`maskplug.grammar.sdk.CompileWorker`) that is killed
 at the limit; the compiled grammar comes back serialized
 (``CompiledGrammar.serialize_json``). ``compile_limit_s=None`` compiles in the
 calling process with no limit.
@@ -62,20 +62,17 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
-import numpy.typing as npt
 import torch
 import xgrammar as xgr
 
-from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker, check_limit, effective_limit
+from maskplug import GrammarError, GrammarSpec, Matcher, Vocab
 from maskplug.grammar.sdk import (
+    DEFAULT_COMPILE_LIMIT_S,
     SPEC_KINDS,
     ChainOpsBase,
-    GrammarError,
-    GrammarSpec,
-    Matcher,
+    Chains,
     MatcherBase,
     ProviderBase,
-    Vocab,
     check_choice,
     schema_text,
     spread_tasks,
@@ -297,24 +294,14 @@ class XGrammarBatchOps(ChainOpsBase[XGrammarMatcher]):
             self._trees[k] = tree
         return tree
 
-    def _fill_chains(
-        self,
-        matchers: list[XGrammarMatcher],
-        bitmask: torch.Tensor,
-        rows: list[int],
-        drafts: Sequence[Sequence[int]],
-        workers: int,
-        forced: npt.NDArray[np.bool_] | None,
-    ) -> list[int]:
+    def _fill_chains(self, matchers: list[XGrammarMatcher], chains: Chains) -> list[int]:
         """Fill each request's draft rows with one ``traverse_draft_tree`` call; return the accepted counts.
 
-        Row ``rows[i] + p`` is the mask after ``drafts[i][:p]`` up to the
-        first draft the mask refuses or just after an accepted stop token
-        (see :mod:`maskplug.grammar.draft`). xgrammar checks each draft
-        against the row it just filled, so the accepted counts are read back
-        from the rows, vectorised. Requests run on ``workers`` threads (the
-        calls release the GIL); matchers end where they started.
+        xgrammar checks each draft against the row it just filled, so the
+        accepted counts are read back from the rows, vectorised. Requests run
+        on ``chains.workers`` threads (the calls release the GIL).
         """
+        bitmask, drafts = chains.bitmask, chains.drafts
         n = len(matchers)
         lens = np.fromiter((len(d) for d in drafts), dtype=np.int64, count=n)
         width = int(lens.max())
@@ -324,14 +311,14 @@ class XGrammarBatchOps(ChainOpsBase[XGrammarMatcher]):
         for i, d in enumerate(drafts):
             tok_np[i, 1 : 1 + len(d)] = d
         raws = [m.raw for m in matchers]
-        starts = rows
+        starts = chains.rows
 
         def one(i: int) -> None:
             k = int(lens[i])
             child, sibling = self._tree(k)
             raws[i].traverse_draft_tree(child, sibling, toks[i, : k + 1], bitmask[starts[i] : starts[i] + k + 1])
 
-        spread_tasks(one, n, workers)
+        spread_tasks(one, n, chains.workers)
 
         # Accepted count: leading drafts whose bit is set in the row before them,
         # cut just after the first accepted stop token.
@@ -418,16 +405,14 @@ class XGrammarProvider(ProviderBase[XGrammarGrammar]):
         # xgrammar's own cache would answer a repeated compile without its warnings; maskplug caches instead.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
         self.batch_ops = XGrammarBatchOps(vocab, threads)
-        #: Seconds a compile may take (None: compile in this process, no limit); see :mod:`maskplug.grammar.limits`.
-        self.compile_limit_s = check_limit(compile_limit_s, "compile_limit_s")
-        self.worker = CompileWorker("xgrammar", worker_compiler, (vocab.with_encoder(None), threads))
+        self._use_worker(compile_limit_s, worker_compiler, vocab.with_encoder(None), threads)
 
     def _compile(self, spec: GrammarSpec) -> XGrammarGrammar:
-        limit = effective_limit(check_limit(self.compile_limit_s, "compile_limit_s"), spec)
+        limit = self._limit_for(spec)
         if limit is None:
             raw, warns = compile_raw(self.compiler, spec)
         else:
-            ser, warns = self.worker.run(spec, limit)
+            ser, warns = self._run_in_worker(spec, limit)
             raw = xgr.CompiledGrammar.deserialize_json(ser, self.tokenizer_info)
         for w in warns:
             logger.warning("xgrammar: %s (%s spec)", w, spec.kind)
