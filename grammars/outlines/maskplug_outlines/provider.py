@@ -62,9 +62,12 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (``json_schema``):
   ``[\x20\x0A\x0D\x09]*`` (no bound), ``0`` and ``"compact"`` no whitespace
   at all. outlines-core's own default (``[ ]?``, one optional space) is not
   used. The bound costs automaton states: ``N`` per whitespace position, so
-  the ``Index`` build takes about 3-7 times as long at ``N = 24`` as with
-  ``[ ]?`` or an unbounded run (0.14 s to 0.92 s CPU for a 19 kB Snowplow
-  schema over a 32k vocabulary). Known gap: outlines-core's regex writes no
+  the ``Index`` build takes about 4-7 times the CPU at ``N = 24`` that it
+  takes with ``[ ]?`` (an unbounded run costs no more than ``[ ]?``):
+  measured on JSONSchemaBench schemas, 0.14 s to 0.92 s for a 19 kB
+  Snowplow schema over a 32k vocabulary and 2.4 s to 13.2 s over tekken's
+  131k, past the default compile limit (set ``compile_limit_s`` higher, or
+  ``max_whitespace`` lower, there). Known gap: outlines-core's regex writes no
   whitespace before an array's ``,`` (``[1 , 2]`` is refused; ``json.dumps``
   never writes it), and it writes two whitespace positions side by side in
   an empty array (after ``[`` and before ``]``), where a run of up to
