@@ -27,7 +27,7 @@ from __future__ import annotations
 from .bases import CompileCache, MatcherBase, ProviderBase
 from .checks import check_bitmask, check_token
 from .draft import CommitResult, DraftMasksJob, commit, commit_many, fill_draft_masks
-from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
+from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher, TreeOps
 from .registry import grammar_provider, grammar_providers
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
 from .vocabs import mistral_sentencepiece, mistral_tekken
@@ -45,6 +45,7 @@ __all__ = [
     "Matcher",
     "MatcherBase",
     "ProviderBase",
+    "TreeOps",
     "Vocab",
     "check_bitmask",
     "check_token",

@@ -54,7 +54,7 @@ from .bases import BatchOpsBase, ChainOpsBase, Chains, CompileCache, FailedMatch
 from .checks import brief_error, check_bitmask, check_chain_args, check_choice, check_token, schema_dict, schema_text
 from .limits import CompileWorker, check_limit, effective_limit
 from .pools import shared_pool, spread_tasks
-from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher
+from .protocols import BatchOps, ChainOps, CompiledGrammar, GrammarProvider, Matcher, TreeOps
 from .registry import grammar_provider, grammar_providers
 from .rows import bits_row, stop_row, text_ids
 from .spec import GrammarSpec, Vocab, schema_keywords, strict_keys_schema
@@ -128,6 +128,7 @@ __all__ = [
     "Matcher",
     "MatcherBase",
     "ProviderBase",
+    "TreeOps",
     "Vocab",
     "bits_row",
     "brief_error",

@@ -294,6 +294,17 @@ class XGrammarBatchOps(ChainOpsBase[XGrammarMatcher]):
             self._trees[k] = tree
         return tree
 
+    def fill_tree(
+        self,
+        matcher: Matcher,
+        next_child: torch.Tensor,
+        next_sibling: torch.Tensor,
+        tokens: torch.Tensor,
+        bitmask: torch.Tensor,
+    ) -> None:
+        """One request's draft tree in one native ``traverse_draft_tree`` call (:class:`~maskplug.grammar.sdk.TreeOps`)."""
+        _raw(matcher).traverse_draft_tree(next_child, next_sibling, tokens, bitmask)
+
     def _fill_chains(self, matchers: list[XGrammarMatcher], chains: Chains) -> list[int]:
         """Fill each request's draft rows with one ``traverse_draft_tree`` call; return the accepted counts.
 
