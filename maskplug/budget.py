@@ -1,19 +1,20 @@
-"""Verify-budget selection: the cost model, ``choose_budget``, ``allocate`` and ``allocate_step``.
+"""Verify-budget selection: the cost model, ``choose_budget`` and ``allocate``.
 
 The budget ``b`` is the number of drafts verified this step across the batch.
 ``choose_budget`` runs on the host with (possibly stale) confidences and
 maximises expected emitted tokens per millisecond of step cost; ``allocate``
 runs on the device with the live confidences and turns ``b`` into per-request
-capacities without a host sync. ``allocate_step`` does the same for a
-scheduler's :class:`~maskplug.schedulers.StepView`, keeping drafts the
-step's grammar rejects out of the budget.
+capacities without a host sync. (:func:`maskplug.allocate_step`, the same
+for a scheduler's :class:`~maskplug.StepView` with the step's grammar, lives
+in :mod:`maskplug.schedulers.allocation`: it builds on the scheduler
+protocol, which builds on this module.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,14 +25,10 @@ from .draftmasks import DraftMasks, check_draft_masks
 from .errors import BudgetError
 from .layout import ScheduledLayout
 
-if TYPE_CHECKING:
-    from .schedulers.protocol import StepView
-
 __all__ = [
     "BudgetDecision",
     "CostModel",
     "allocate",
-    "allocate_step",
     "choose_budget",
     "grammar_confidences",
     "host_confidences",
@@ -354,7 +351,7 @@ def _grammar_override(grammar: DraftMasks, n: int, k: int) -> FloatArray:
     A draft the grammar rejects (and every later one) is 0; a draft it accepts
     at a position that allows exactly one token is 1. The one statement of the
     grammar correction, for the host survivals (:func:`grammar_confidences`)
-    and the live ones on the device (:func:`allocate_step`). ``grammar`` is
+    and the live ones on the device (:func:`maskplug.allocate_step`). ``grammar`` is
     already checked against the step's layout.
     """
     over = np.full((n, k), np.nan, dtype=np.float64)
@@ -639,61 +636,3 @@ def _top_budget(confidences: torch.Tensor, nd: torch.Tensor, b: int | torch.Tens
     # A position past a request's drafts is never chosen, whatever the budget.
     chosen = (rank < b).view(k, n) & valid.t()
     return chosen.sum(dim=0, dtype=torch.int32)
-
-
-def allocate_step(
-    step: StepView, confidences: torch.Tensor, budget: int | np.integer[Any] | torch.Tensor
-) -> torch.Tensor:
-    """Per-request capacities for ``budget`` from the live ``confidences``, on their device.
-
-    Without draft masks this is :func:`allocate`. With them, the
-    live confidences are grammar-corrected (rejected drafts 0, forced
-    accepted drafts 1) and drafts the grammar rejects come last: as long as
-    ``budget <= Σ min(num_drafts, acceptable)`` (always so for a
-    ``grammar-aware`` budget) no request is given a draft its grammar
-    rejects. A larger budget, from a grammar-blind scheduler, still sums
-    exactly to ``budget``: every accepted draft first, then rejected ones by
-    position and request (they only cost verification work, the masks refuse
-    them). No host sync; ``budget`` may be a 0-d device tensor.
-    """
-    # The step view is built on this module's cost model and checks, so its
-    # module is imported here, at the first call, rather than at the top.
-    from .schedulers.protocol import StepView, grammar_limits
-
-    if not isinstance(step, StepView):
-        raise BudgetError(f"step: expected a StepView, got {type(step).__name__}")
-    lay = step.layout
-    _live("confidences", confidences, lay.n)
-    if step.grammar is None or step.grammar.request.size == 0:
-        return allocate(confidences, lay.num_drafts, budget)
-    k_need = int(lay.num_drafts.max()) if lay.n else 0
-    if confidences.shape[1] < k_need:
-        raise BudgetError(
-            f"confidences: expected at least {k_need} columns (the most drafts of any request), got {confidences.shape[1]}"
-        )
-    budget = _budget_arg(budget, lay.total_drafts, confidences.device)
-    _check_live_values("confidences", confidences, lay.num_drafts)
-    lim = grammar_limits(lay, step.grammar)
-    room = int(lim.sum())
-    n, k = confidences.shape
-    # Host-built override: NaN keeps the live value, 0/1 replace it.
-    over = _grammar_override(step.grammar, n, k)
-    dev = confidences.device
-    t = torch.from_numpy(over)
-    if dev.type == "cuda":
-        t = t.pin_memory().to(dev, non_blocking=True)  # queued, not a host sync
-    t = t.to(dev, dtype=confidences.dtype)
-    live = torch.where(torch.isnan(t), confidences, t)
-    rest = lay.num_drafts - lim
-    if isinstance(budget, torch.Tensor):
-        inside: int | torch.Tensor = torch.clamp(budget, max=room)
-        beyond: int | torch.Tensor = budget - inside
-    else:
-        inside, beyond = min(int(budget), room), max(int(budget) - room, 0)
-    cap = allocate(live, lim, inside)
-    if int(rest.sum()) == 0:
-        return cap
-    # Rejected drafts only once every accepted one is in (then `cap == lim`);
-    # equal (zero) worth, so allocate's tie-break orders them by position, then request.
-    extra = allocate(torch.zeros_like(live), rest, beyond)
-    return cap + extra

@@ -37,7 +37,7 @@ The package, one concept per module:
     ``grammar-aware:goodput``) and :func:`get_scheduler`, which takes a spec.
 
 The allocation (which drafts of which request make up the budget) runs on
-the device with the live confidences: :func:`~maskplug.budget.allocate_step`
+the device with the live confidences: :func:`~maskplug.schedulers.allocate_step`
 (re-exported here) does it and, on a step with draft masks, never admits a
 draft the grammar rejected.
 
@@ -48,7 +48,7 @@ its older name. ``maskplug.schedulers`` is this package, an ordinary module.
 
 from __future__ import annotations
 
-from ..budget import allocate_step
+from .allocation import allocate_step
 from .dspark import DSparkScheduler
 from .goodput import GoodputScheduler
 from .grammar_aware import GrammarAwareScheduler

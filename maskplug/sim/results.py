@@ -11,11 +11,6 @@ __all__ = ["RunResult"]
 _VIOLATIONS_LISTED = 50
 
 
-def _new_list() -> Any:
-    """A field whose default is a new empty list for each result (a per-step series or a list of messages)."""
-    return field(default_factory=list)
-
-
 @dataclass
 class RunResult:
     """What one scheduler's run produced (all counts are exact; times are host measurements).
@@ -62,10 +57,10 @@ class RunResult:
     failed: int = 0
     in_flight: int = 0
     regimes: dict[str, int] = field(default_factory=lambda: {"full": 0, "partial": 0, "zero": 0})
-    budgets: list[int] = _new_list()
-    max_budgets: list[int] = _new_list()
-    violations: list[str] = _new_list()
-    invalid_samples: list[str] = _new_list()
+    budgets: list[int] = field(default_factory=list)
+    max_budgets: list[int] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+    invalid_samples: list[str] = field(default_factory=list)
     sim_ms: float = 0.0
     host_s: float = 0.0
     apply_s: float = 0.0

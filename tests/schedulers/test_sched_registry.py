@@ -26,6 +26,7 @@ from maskplug.schedulers import (
     GrammarAwareScheduler,
     NoSpecScheduler,
     VerifyAllScheduler,
+    allocation,
     protocol,
 )
 
@@ -111,7 +112,9 @@ def test_public_names_of_the_package() -> None:
     from maskplug.schedulers import StepView, allocate_step, get_scheduler, grammar_limits
 
     assert StepView is mp.StepView and get_scheduler is mp.get_scheduler
-    assert allocate_step is mp.allocate_step is budget.allocate_step
+    # allocate_step reads a StepView, so it lives with the schedulers (budget does not import them).
+    assert allocate_step is mp.allocate_step is allocation.allocate_step
+    assert not hasattr(budget, "allocate_step")
     assert grammar_limits is protocol.grammar_limits
     for name in sched_pkg.__all__:
         assert getattr(sched_pkg, name) is not None, name
