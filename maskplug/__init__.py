@@ -6,7 +6,7 @@ selection, compaction, the mask dispatch, errors and the plugin registry.
 
 from __future__ import annotations
 
-from . import reference, schedulers  # the oracle is API; the schedulers module is also callable
+from . import reference, schedulers  # the oracle is API; so is the schedulers package
 from .budget import BudgetDecision, CostModel, allocate, choose_budget
 from .compaction import Compaction, active_cu_logits, compact
 from .confidence import ConfidenceHistory

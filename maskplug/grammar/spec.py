@@ -99,8 +99,8 @@ class GrammarSpec:
     How the options map to each engine (and what vLLM passes by default)::
 
         option        xgrammar                 llguidance                      outlines-core
-        whitespace    any_whitespace=True      whitespace_flexible=True        its own [ ]? (one optional
-         flexible     (vLLM: the same)         (vLLM: the same)                space; vLLM: the same)
+        whitespace    any_whitespace=True      whitespace_flexible=True        whitespace_pattern of every
+         flexible     (vLLM: the same)         (vLLM: the same)                JSON blank (vLLM: its own [ ]?)
         whitespace    any_whitespace=False,    whitespace_flexible=False,      whitespace_pattern=""
          compact      separators (",", ":")    separators "," and ":"
         strict_keys   strict_mode=True         strict_keys_schema(schema):     what it always does
@@ -110,9 +110,9 @@ class GrammarSpec:
                                                additional_properties)
         strict_keys   strict_mode=False        the schema as it is             GrammarError naming
          False                                 (vLLM's default for guidance)   strict_keys (open objects)
-        max_whitespace max_whitespace_cnt=N    whitespace_pattern              its [ ]? (at most one space)
-         N (flexible) (vLLM: no bound)         [\x20\x0a\x0d\x09]{0,N}        honours any N >= 1; N = 0:
-                                               (vLLM: no bound)                no whitespace
+        max_whitespace max_whitespace_cnt=N    whitespace_pattern              whitespace_pattern
+         N (flexible) (vLLM: no bound)         [\x20\x0a\x0d\x09]{0,N}        [\x20\x0a\x0d\x09]{0,N}; None:
+                                               (vLLM: no bound)                ...*; N = 0: no whitespace
         unsupported   compiles; its C++        lenient=True; its warnings      maskplug's keyword check,
          ignore       warnings captured        in ``warnings``                 in ``warnings``
         unsupported   GrammarError naming      lenient=False: GrammarError     GrammarError naming
