@@ -389,6 +389,10 @@ class _Controller:
         lay = view.layout
         if budget == 0:
             return np.zeros(lay.n, dtype=np.int64)  # the only split of nothing
+        if lay.n == 1:
+            # One request gets the whole budget whatever its confidences or grammar (every split
+            # sums to the budget): the allocation's device ops are half of a one-request plan.
+            return np.array([budget], dtype=np.int64)
         k = int(lay.num_drafts.max())
         beliefs = live
         if beliefs is None:

@@ -436,6 +436,34 @@ def test_full_and_zero_budget_splits_equal_allocate_step() -> None:
     assert seen > 100
 
 
+def test_one_request_split_equals_allocate_step() -> None:
+    # One request is split without allocate_step's device ops: the same capacities at every budget.
+    rng = np.random.default_rng(11)
+    checked = 0
+    while checked < 60:
+        so, ids, nd, _ = _step(rng)
+        i = int(rng.integers(0, len(ids)))
+        if nd[i] == 0:
+            continue
+        r = ids[i]
+        one = dataclasses.replace(
+            so,
+            num_scheduled_tokens={r: so.num_scheduled_tokens[r]},
+            total_num_scheduled_tokens=so.num_scheduled_tokens[r],
+            scheduled_spec_decode_tokens={r: so.scheduled_spec_decode_tokens[r]},
+        )
+        grammar = rng.random() < 0.5
+        go = _with_grammar(one, [r], [int(rng.integers(0, nd[i] + 1))], 1 + int(nd[i])) if grammar else None
+        b = int(rng.integers(1, nd[i] + 1))
+        sched = BeliefBudget(b, np.random.default_rng(checked))
+        ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
+        plan = ctl.plan(one, go)
+        view = sched.views[-1]
+        conf = torch.from_numpy(BeliefBudget(b, np.random.default_rng(checked)).beliefs(view))
+        assert plan.capacity.tolist() == allocate_step(view, conf, plan.budget).numpy().tolist()
+        checked += 1
+
+
 def test_apply_scatter_reuses_rows_of_a_repeated_step_correctly() -> None:
     # The same scheduled step applied again (its row mapping reused) with other kept drafts and logits.
     rng = np.random.default_rng(11)
