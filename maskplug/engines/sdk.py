@@ -17,6 +17,12 @@ matcher never called again, the stop-only rows, the stand-in matcher the
 mask-row producers get). :func:`fill_windows_serially` is the producer's
 serial walk for an engine's hot path with a few requests, whose inputs the
 adapter has already checked.
+
+Scheduler names reach adapters from the engine's configuration (an
+environment variable, a server flag): :func:`parse_scheduler_spec` is the
+core's one parser of ``name`` and ``grammar-aware:inner``, re-exported here
+with :class:`VerifyAllScheduler`, the built-in an adapter may recognise to
+skip the per-step view and outcome (it verifies every draft and learns nothing).
 """
 
 from __future__ import annotations
@@ -33,8 +39,17 @@ from ..errors import GrammarError, PluginError
 from ..grammar.draft import _Plan, _produce, _Walk
 from ..grammar.jobs import claim, release
 from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
+from ..schedulers import SchedulerSpec, VerifyAllScheduler, parse_scheduler_spec
 
-__all__ = ["GuardedGrammar", "PatchSet", "fill_windows_serially", "wraps"]
+__all__ = [
+    "GuardedGrammar",
+    "PatchSet",
+    "SchedulerSpec",
+    "VerifyAllScheduler",
+    "fill_windows_serially",
+    "parse_scheduler_spec",
+    "wraps",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 

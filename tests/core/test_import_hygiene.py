@@ -26,11 +26,7 @@ GRAMMAR_ENGINES = frozenset({"xgrammar", "llguidance", "outlines_core"})
 
 #: Imports of maskplug internals that plugins and adapters still make, to be moved
 #: behind the SDK; each entry is (file relative to the repository, module imported).
-KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("adapters/vllm/maskplug_vllm/adaptive.py", "maskplug.schedulers"),
-    }
-)
+KNOWN_CROSSINGS: frozenset[tuple[str, str]] = frozenset()
 
 #: Core modules that still import a plugin module (inside a function); each entry is
 #: (file, module). None does: the core reaches plugins only through the registry.

@@ -97,8 +97,7 @@ from maskplug import (
     get_registry,
     get_scheduler,
 )
-from maskplug.engines.sdk import wraps
-from maskplug.schedulers import VerifyAllScheduler, parse_scheduler_spec
+from maskplug.engines.sdk import VerifyAllScheduler, parse_scheduler_spec, wraps
 
 from . import confidences, metrics, patches
 from .confidences import CONFIDENCES_ATTR, DraftConfidences
