@@ -604,7 +604,31 @@ def allocate(
     b = _budget_arg(budget, None if nd_host is None else int(nd_host.sum()), dev)
     if nd_host is not None:
         _check_live_values("confidences", confidences, nd_host)
+        if dev.type == "cpu" and not isinstance(b, torch.Tensor):
+            return _top_budget_host(confidences, nd_host, b)
     return _top_budget(confidences, nd, b, unchecked=dev.type != "cpu")
+
+
+def _top_budget_host(confidences: torch.Tensor, nd: npt.NDArray[np.int64], b: int) -> torch.Tensor:
+    """:func:`_top_budget` on checked host values, in numpy: the same survivals, order and ties.
+
+    An engine core plans on the host, where each torch op costs a few
+    microseconds of dispatch: at 16 requests this is several times faster than
+    the device path's dozen ops. ``b`` lies in ``[0, Σ nd]`` and ``nd`` in
+    ``[0, k]`` (checked), so the ``b`` largest survivals are all scheduled drafts.
+    """
+    n, k = confidences.shape
+    if n == 0 or k == 0 or b == 0:
+        return torch.zeros(n, dtype=torch.int32)
+    c = confidences.detach().to(torch.float64).numpy()
+    s = _CUMPROD(c, axis=1)  # the same left-to-right products as torch.cumprod
+    valid = np.arange(k)[None, :] < nd[:, None]
+    # Position-major, as on the device: a stable ascending sort of the negated survivals is the
+    # stable descending sort there (ties by position, then request); -1 (no draft) sorts last.
+    flat = np.where(valid, s, -1.0).T.ravel()
+    np.negative(flat, out=flat)
+    chosen = np.argsort(flat, kind="stable")[:b]
+    return torch.from_numpy(np.bincount(chosen % n, minlength=n).astype(np.int32))
 
 
 def _top_budget(confidences: torch.Tensor, nd: torch.Tensor, b: int | torch.Tensor, *, unchecked: bool) -> torch.Tensor:

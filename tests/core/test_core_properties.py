@@ -350,6 +350,24 @@ def test_allocate_matches_reference(batch: Batch, data: st.DataObject) -> None:
     assert cap.tolist() == reference.allocate(conf_t, layout.num_drafts, budget)
 
 
+@given(batches(max_n=128), st.data())
+def test_allocate_device_path_matches_the_host_path(batch: Batch, data: st.DataObject) -> None:
+    # Host arguments take a numpy path; the device path (torch ops, no host sync) is run here on
+    # CPU tensors so that it stays tested without a GPU: both give the same capacities.
+    from maskplug.budget import _top_budget, _top_budget_host
+
+    layout, rng = batch.layout, batch.rng
+    n = layout.n
+    k = int(layout.num_drafts.max()) + data.draw(st.integers(0, 2)) if n else 0
+    conf = _confidences(rng, n, k, data.draw(st.sampled_from(["random", "ties", "extreme"])))
+    conf_t = torch.from_numpy(conf).to(data.draw(st.sampled_from([torch.float32, torch.float64])))
+    budget = _budget(data.draw, layout)
+    host = _top_budget_host(conf_t, layout.num_drafts, budget)
+    device = _top_budget(conf_t, torch.from_numpy(layout.num_drafts.copy()), budget, unchecked=False)
+    assert host.dtype == device.dtype == torch.int32
+    assert host.tolist() == device.tolist()
+
+
 def _cost_model(data: st.DataObject) -> mp.CostModel:
     if data.draw(st.booleans()):
         return mp.CostModel.linear(
