@@ -326,15 +326,21 @@ def _confidences(rng: np.random.Generator, n: int, k: int, style: str) -> np.nda
     return rng.random((n, k))
 
 
-@given(batches(max_n=128), st.data())
-def test_allocate_matches_reference(batch: Batch, data: st.DataObject) -> None:
-    layout, rng = batch.layout, batch.rng
+def _allocate_case(batch: Batch, data: st.DataObject) -> tuple[torch.Tensor, int]:
+    """Confidences (random, tied or extreme; fp32 or fp64, a column or two past the drafts) and a budget."""
+    layout = batch.layout
     n = layout.n
     k = int(layout.num_drafts.max()) + data.draw(st.integers(0, 2)) if n else 0
-    conf = _confidences(rng, n, k, data.draw(st.sampled_from(["random", "ties", "extreme"])))
-    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
-    conf_t = torch.from_numpy(conf).to(dtype)
-    budget = _budget(data.draw, layout)
+    conf = _confidences(batch.rng, n, k, data.draw(st.sampled_from(["random", "ties", "extreme"])))
+    conf_t = torch.from_numpy(conf).to(data.draw(st.sampled_from([torch.float32, torch.float64])))
+    return conf_t, _budget(data.draw, layout)
+
+
+@given(batches(max_n=128), st.data())
+def test_allocate_matches_reference(batch: Batch, data: st.DataObject) -> None:
+    layout = batch.layout
+    n = layout.n
+    conf_t, budget = _allocate_case(batch, data)
     nd: Any = (
         torch.from_numpy(layout.num_drafts.copy()) if data.draw(st.booleans()) else layout.num_drafts.astype(np.int32)
     )
@@ -356,12 +362,8 @@ def test_allocate_device_path_matches_the_host_path(batch: Batch, data: st.DataO
     # CPU tensors so that it stays tested without a GPU: both give the same capacities.
     from maskplug.budget import _top_budget, _top_budget_host
 
-    layout, rng = batch.layout, batch.rng
-    n = layout.n
-    k = int(layout.num_drafts.max()) + data.draw(st.integers(0, 2)) if n else 0
-    conf = _confidences(rng, n, k, data.draw(st.sampled_from(["random", "ties", "extreme"])))
-    conf_t = torch.from_numpy(conf).to(data.draw(st.sampled_from([torch.float32, torch.float64])))
-    budget = _budget(data.draw, layout)
+    layout = batch.layout
+    conf_t, budget = _allocate_case(batch, data)
     host = _top_budget_host(conf_t, layout.num_drafts, budget)
     device = _top_budget(conf_t, torch.from_numpy(layout.num_drafts.copy()), budget, unchecked=False)
     assert host.dtype == device.dtype == torch.int32
