@@ -37,6 +37,7 @@ import torch
 from ..draftmasks import DraftMasks
 from ..errors import GrammarError, PluginError
 from ..grammar.draft import _Plan, _produce, _Walk
+from ..grammar.fillargs import eos_sets
 from ..grammar.jobs import claim, release
 from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
 from ..schedulers import SchedulerSpec, VerifyAllScheduler, parse_scheduler_spec
@@ -231,19 +232,6 @@ class GuardedGrammar:
         row[:w] = self._stop[:w].to(row.device)
 
 
-_EOS: dict[int, tuple[Vocab, frozenset[int]]] = {}
-
-
-def _eos_of(vocab: Vocab) -> frozenset[int]:
-    # The stop set of each vocabulary, made once (a step's requests share a few vocabularies).
-    hit = _EOS.get(id(vocab))
-    if hit is None or hit[0] is not vocab:
-        if len(_EOS) > 64:
-            _EOS.clear()
-        hit = _EOS[id(vocab)] = (vocab, frozenset(vocab.eos_ids))
-    return hit[1]
-
-
 def fill_windows_serially(
     matchers: Sequence[Matcher],
     windows: Sequence[Sequence[int]],
@@ -286,7 +274,7 @@ def fill_windows_serially(
         counts + 1,
         np.zeros(g_count, dtype=np.int64),
         np.array(row0, dtype=np.int64),
-        [_eos_of(v) for v in vocabs],
+        eos_sets(vocabs),
         bitmask,
         total,
         vocabs,
