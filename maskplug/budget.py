@@ -595,18 +595,15 @@ def allocate(
     _live("confidences", confidences)
     dev = confidences.device
     n, k = confidences.shape
-    nd_host: npt.NDArray[np.int64] | None = None
     if isinstance(num_drafts, torch.Tensor) and num_drafts.device.type != "cpu":
         nd = _device_count_tensor("num_drafts", num_drafts, (n,), dev).to(torch.int64)
-    else:
-        nd_host = host_ints("num_drafts", num_drafts, BudgetError, n=n, hi=k)
-        nd = torch.tensor(nd_host, device=dev)
-    b = _budget_arg(budget, None if nd_host is None else int(nd_host.sum()), dev)
-    if nd_host is not None:
-        _check_live_values("confidences", confidences, nd_host)
-        if dev.type == "cpu" and not isinstance(b, torch.Tensor):
-            return _top_budget_host(confidences, nd_host, b)
-    return _top_budget(confidences, nd, b, unchecked=dev.type != "cpu")
+        return _top_budget(confidences, nd, _budget_arg(budget, None, dev), unchecked=True)
+    nd_host = host_ints("num_drafts", num_drafts, BudgetError, n=n, hi=k)
+    b = _budget_arg(budget, int(nd_host.sum()), dev)
+    _check_live_values("confidences", confidences, nd_host)
+    if dev.type == "cpu" and not isinstance(b, torch.Tensor):
+        return _top_budget_host(confidences, nd_host, b)
+    return _top_budget(confidences, torch.tensor(nd_host, device=dev), b, unchecked=dev.type != "cpu")
 
 
 def _top_budget_host(confidences: torch.Tensor, nd: npt.NDArray[np.int64], b: int) -> torch.Tensor:
