@@ -318,38 +318,6 @@ class Coverage:
     ignores: frozenset[str]
 
 
-_COMMON = frozenset(
-    {
-        "type",
-        "enum",
-        "const",
-        "properties",
-        "required",
-        "additionalProperties",
-        "minProperties",
-        "maxProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "minLength",
-        "maxLength",
-        "pattern",
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "multipleOf",
-        "anyOf",
-        "oneOf",
-        "$ref",
-        "$defs",
-        "definitions",
-    }
-)
-_FORMATS = frozenset(
-    f"format:{f}" for f in ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
-)
 _NOBODY = frozenset(
     {
         "dependentRequired",
@@ -370,6 +338,31 @@ _NOBODY = frozenset(
     }
 )
 
+#: Keywords that one engine enforces and another leaves out (each engine's table below says which).
+_SPLIT = frozenset({"patternProperties", "additionalItems", "allOf", "propertyNames", "unevaluatedItems"})
+#: What xgrammar and llguidance both enforce: every constraint keyword but those no engine enforces, the split
+#: ones, ``format`` itself (counted per format) and the dynamic references (not tested).
+_COMMON = CONSTRAINT_KEYWORDS - _NOBODY - _SPLIT - {"format", "$dynamicRef", "$recursiveRef"}
+#: What outlines-core leaves out of the common keywords: additionalProperties and prefixItems refuse valid
+#: instances too; oneOf takes overlapping branches as anyOf without a word.
+_OUTLINES_LEFT_OUT = frozenset(
+    {
+        "additionalProperties",
+        "minProperties",
+        "maxProperties",
+        "prefixItems",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "oneOf",
+    }
+)
+#: The formats every engine but outlines-core enforces.
+_FORMATS = frozenset(
+    f"format:{f}" for f in ("date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+)
 #: Per provider name: what its engine enforces and leaves out (tested against the installed engines).
 KEYWORD_COVERAGE: dict[str, Coverage] = {
     "xgrammar": Coverage(
@@ -385,45 +378,12 @@ KEYWORD_COVERAGE: dict[str, Coverage] = {
         ignores=_NOBODY | {"propertyNames", "unevaluatedItems", "format:uri-reference", "format:json-pointer"},
     ),
     "outlines-core": Coverage(
-        enforces=frozenset(
-            {
-                "type",
-                "enum",
-                "const",
-                "properties",
-                "required",
-                "items",
-                "minItems",
-                "maxItems",
-                "minLength",
-                "maxLength",
-                "pattern",
-                "anyOf",
-                "$ref",
-                "$defs",
-                "definitions",
-            }
-        )
+        enforces=(_COMMON - _OUTLINES_LEFT_OUT)
         | {f"format:{f}" for f in ("date", "time", "date-time", "email", "uuid")},
-        # additionalProperties and prefixItems: valid instances refused too; oneOf: overlapping branches
-        # taken as anyOf without a word; allOf: concatenated or refused; the formats: refused.
+        # allOf: concatenated or refused; the formats: refused.
         ignores=_NOBODY
-        | {
-            "patternProperties",
-            "propertyNames",
-            "minProperties",
-            "maxProperties",
-            "additionalProperties",
-            "prefixItems",
-            "additionalItems",
-            "minimum",
-            "maximum",
-            "exclusiveMinimum",
-            "exclusiveMaximum",
-            "multipleOf",
-            "oneOf",
-            "allOf",
-        }
+        | _OUTLINES_LEFT_OUT
+        | {"patternProperties", "propertyNames", "additionalItems", "allOf"}
         | {f"format:{f}" for f in ("duration", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "json-pointer")},
     ),
 }
