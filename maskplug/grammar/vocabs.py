@@ -261,13 +261,21 @@ class TiktokenEncoder(_LazyEncoder):
         return ids  # byte-level BPE adds no prefix
 
 
-class TokenizersEncoder(_LazyEncoder):
-    """Hugging Face ``tokenizers`` loading a ``tokenizer.json`` (``add_special_tokens=False``)."""
+class _FileEncoder(_LazyEncoder):
+    """An encoder loading a tokenizer file with the library ``library``; named ``library:<file name>``."""
+
+    library = "file"
 
     def __init__(self, path: PathLike) -> None:
         super().__init__()
         self._path = os.fspath(path)
-        self.name = f"tokenizers:{Path(self._path).name}"
+        self.name = f"{self.library}:{Path(self._path).name}"
+
+
+class TokenizersEncoder(_FileEncoder):
+    """Hugging Face ``tokenizers`` loading a ``tokenizer.json`` (``add_special_tokens=False``)."""
+
+    library = "tokenizers"
 
     def _load(self) -> Callable[[str], list[int]]:
         from tokenizers import Tokenizer
@@ -276,13 +284,10 @@ class TokenizersEncoder(_LazyEncoder):
         return lambda text: list(tok.encode(text, add_special_tokens=False).ids)
 
 
-class SentencePieceEncoder(_LazyEncoder):
+class SentencePieceEncoder(_FileEncoder):
     """The ``sentencepiece`` package encoding with a ``.model`` file."""
 
-    def __init__(self, path: PathLike) -> None:
-        super().__init__()
-        self._path = os.fspath(path)
-        self.name = f"sentencepiece:{Path(self._path).name}"
+    library = "sentencepiece"
 
     def _load(self) -> Callable[[str], list[int]]:
         import sentencepiece
