@@ -24,8 +24,19 @@ __all__ = ["Compaction", "active_cu_logits", "compact", "regime_of"]
 Regime = Literal["full", "partial", "zero"]
 
 
+class TokenTotal:
+    """What a compacted batch (chain or tree) derives from its tokens per request."""
+
+    num_tokens_per_req: npt.NDArray[np.int64]
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens after trimming (always exact, even where the split per request is not)."""
+        return int(self.num_tokens_per_req.sum())
+
+
 @dataclass(frozen=True)
-class Compaction:
+class Compaction(TokenTotal):
     """The host view of a compacted batch.
 
     Attributes:
@@ -45,11 +56,6 @@ class Compaction:
     num_tokens_per_req: npt.NDArray[np.int64]
     cu_logits: npt.NDArray[np.int64]
     exact: bool
-
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens after trimming (always exact)."""
-        return int(self.num_tokens_per_req.sum())
 
 
 def regime_of(layout: ScheduledLayout, budget: int) -> Regime:

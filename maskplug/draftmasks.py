@@ -18,7 +18,7 @@ import torch
 from .errors import BudgetError, GrammarError
 from .layout import ScheduledLayout
 
-__all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field"]
+__all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field", "host_requests"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,25 @@ def host_field(name: str, value: Any, kinds: str, what: str) -> npt.NDArray[Any]
     return arr
 
 
+def host_requests(name: str, value: Any, n: int) -> npt.NDArray[np.int64]:
+    """The ``request`` field of grammar information: unique batch indices in ``[0, n)`` as a 1-D int64 array.
+
+    Anything else is a :class:`~maskplug.errors.BudgetError` naming ``name``.
+    """
+    req = host_field(name, value, "iu", "a 1-D array of batch indices")
+    if req.ndim != 1:
+        raise BudgetError(f"{name}: expected a 1-D array of batch indices, got shape {req.shape}")
+    req = req.astype(np.int64, copy=False)
+    g = req.shape[0]
+    if g and (int(req.min()) < 0 or int(req.max()) >= n):
+        bad = int(req[(req < 0) | (req >= n)][0])
+        raise BudgetError(f"{name}: expected batch indices in [0, {n}), got {bad}")
+    if g > 1 and np.unique(req).size != g:
+        s = np.sort(req)
+        raise BudgetError(f"{name}: expected unique batch indices, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
+    return req
+
+
 def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar") -> DraftMasks:
     """``grammar`` checked against ``layout``: a read-only :class:`DraftMasks` of int64/bool arrays.
 
@@ -89,17 +108,8 @@ def check_draft_masks(grammar: Any, layout: ScheduledLayout, arg: str = "grammar
     """
     if not isinstance(grammar, DraftMasks):
         raise BudgetError(f"{arg}: expected DraftMasks or None, got {type(grammar).__name__}")
-    req = host_field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
-    if req.ndim != 1:
-        raise BudgetError(f"{arg}.request: expected a 1-D array of batch indices, got shape {req.shape}")
-    req = req.astype(np.int64, copy=False)
+    req = host_requests(f"{arg}.request", grammar.request, layout.n)
     g = req.shape[0]
-    if g and (int(req.min()) < 0 or int(req.max()) >= layout.n):
-        bad = int(req[(req < 0) | (req >= layout.n)][0])
-        raise BudgetError(f"{arg}.request: expected batch indices in [0, {layout.n}), got {bad}")
-    if g > 1 and np.unique(req).size != g:
-        s = np.sort(req)
-        raise BudgetError(f"{arg}.request: expected unique batch indices, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
     acc = host_field(f"{arg}.acceptable", grammar.acceptable, "iu", f"{g} integer counts")
     if acc.shape != (g,):
         raise BudgetError(

@@ -55,8 +55,8 @@ import torch
 
 from ._checks import INT32_MAX, host_int
 from .budget import BudgetDecision, CostModel, best_budget, budget_bounds, host_confidences
-from .compaction import Regime, regime_of
-from .draftmasks import frozen, host_field
+from .compaction import Regime, TokenTotal, regime_of
+from .draftmasks import frozen, host_field, host_requests
 from .errors import BudgetError, GrammarError, LayoutError
 from .layout import GrammarRows, RowMapping, ScheduledLayout
 
@@ -284,17 +284,8 @@ def check_tree_masks(grammar: Any, tree: DraftTree, arg: str = "grammar") -> Tre
     if not isinstance(tree, DraftTree):
         raise BudgetError(f"tree: expected a DraftTree, got {type(tree).__name__}")
     lay = tree.layout
-    req = host_field(f"{arg}.request", grammar.request, "iu", "a 1-D array of batch indices")
-    if req.ndim != 1:
-        raise BudgetError(f"{arg}.request: expected a 1-D array of batch indices, got shape {req.shape}")
-    req = req.astype(np.int64, copy=False)
+    req = host_requests(f"{arg}.request", grammar.request, lay.n)
     g = req.shape[0]
-    if g and (int(req.min()) < 0 or int(req.max()) >= lay.n):
-        bad = int(req[(req < 0) | (req >= lay.n)][0])
-        raise BudgetError(f"{arg}.request: expected batch indices in [0, {lay.n}), got {bad}")
-    if g > 1 and np.unique(req).size != g:
-        s = np.sort(req)
-        raise BudgetError(f"{arg}.request: expected unique batch indices, got {int(s[1:][s[1:] == s[:-1]][0])} twice")
     need = int(lay.num_drafts[req].max()) if g else 0
     out: list[BoolArray] = []
     for name in ("valid", "forced"):
@@ -543,7 +534,7 @@ def allocate_tree(
 
 
 @dataclass(frozen=True)
-class TreeCompaction:
+class TreeCompaction(TokenTotal):
     """The kept subtree of every request and the compacted batch.
 
     Attributes:
@@ -572,11 +563,6 @@ class TreeCompaction:
     kept_depth: npt.NDArray[np.int64]
     live_position: npt.NDArray[np.int64]
     num_bonus: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Total tokens after trimming."""
-        return int(self.num_tokens_per_req.sum())
 
     def attention_mask(self, r: int) -> npt.NDArray[np.bool_]:
         """Request ``r``'s tree attention among its live positions: ``(1 + c, 1 + c)`` bool, ``c`` its kept nodes.
