@@ -6,6 +6,9 @@ maskplug-cupy) implements :class:`KernelBackend`. Most do it by subclassing
 (cached, thread-safe), refuses to run where it is unavailable and otherwise
 hands the normalised arguments to the backend's launcher. Around that:
 
+* :class:`LaunchArgs`, :func:`launcher_from`: the normalised arguments as one
+  record, and a seven-argument :data:`Launcher` made from a function that takes
+  that record (how the bundled launchers are written);
 * :data:`NINF_BITS`, :data:`INT_VIEW`, :func:`ninf_bits`, :func:`int_view`:
   the ``-inf`` bit pattern and the same-width integer view of every logits
   dtype, for kernels that store bit patterns instead of floats;
@@ -43,6 +46,7 @@ __all__ = [
     "BackendBase",
     "Extent",
     "KernelBackend",
+    "LaunchArgs",
     "Launcher",
     "cuda_unavailable_reason",
     "define_apply_op",
@@ -50,12 +54,53 @@ __all__ = [
     "import_reason",
     "int_view",
     "launch_extent",
+    "launcher_from",
     "ninf_bits",
     "num_sms",
 ]
 
 Launcher = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool], None]
 """``launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)`` on normalised arguments."""
+
+
+class LaunchArgs(NamedTuple):
+    """The normalised arguments of one apply as one record, in :data:`Launcher` order.
+
+    A launcher that passes the arguments on (to a launch plan, to the shape
+    helpers) takes this record instead of repeating the seven parameters;
+    :func:`launcher_from` turns such a function into a :data:`Launcher`.
+    """
+
+    logits: torch.Tensor
+    """2-D fp32/fp16/bf16, column stride 1, any row stride."""
+    bitmask: torch.Tensor
+    """Contiguous int32 ``(rows, words)`` on the logits device."""
+    request: torch.Tensor
+    """Contiguous int32 ``(rows,)``: the request of each mask row, ``-1`` for an unused row."""
+    position: torch.Tensor
+    """Contiguous int32 ``(rows,)``: the position of each mask row within its request."""
+    cu_logits: torch.Tensor
+    """Contiguous int32 ``(n + 1,)``: the active logits offsets."""
+    vocab_size: int
+    """Columns ``< vocab_size`` follow the bits."""
+    mask_tail: bool
+    """Set live rows' columns ``>= vocab_size`` to ``-inf``."""
+
+
+def launcher_from(run: Callable[[LaunchArgs], None]) -> Launcher:
+    """The :data:`Launcher` that calls ``run`` with its seven arguments as one :class:`LaunchArgs`.
+
+    The launcher keeps ``run``'s name, module and docstring, so a custom op
+    made from it by :func:`define_apply_op` names ``run``.
+    """
+    make = LaunchArgs._make  # a classmethod lookup per call would be most of the wrapper's cost
+
+    def launch(*args: Any) -> None:
+        run(make(args))
+
+    for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(launch, attr, getattr(run, attr, None))
+    return launch
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import torch
 
 from ..hookspecs import hookimpl
-from .sdk import INT_VIEW, NINF_BITS, BackendBase, Launcher
+from .sdk import INT_VIEW, NINF_BITS, BackendBase, LaunchArgs, Launcher, launcher_from
 
 __all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
 
@@ -200,6 +200,70 @@ def mask_rows_cpu(
         _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)
 
 
+def _apply_cpu(args: LaunchArgs) -> None:
+    """The CPU path: live rows found on the host, masked on this thread."""
+    logits, bitmask, request, position, cu_logits, vocab_size, mask_tail = args
+    if request.shape[0] <= FEW_ROWS:
+        # At one request the numpy calls that find live rows for a whole batch cost several times the
+        # masking itself: a few rows are worked out in Python. Two mask rows aiming at one logits row
+        # (``few is None``, nothing written) take the batch path below, which ANDs them.
+        few = live_rows(request.numpy().tolist(), position.numpy().tolist(), cu_logits.numpy().tolist())
+        if few is not None:
+            mask_rows_cpu(logits, bitmask, few, vocab_size, mask_tail)
+            return
+    itype = _NP_INT[INT_VIEW[logits.dtype]]
+    req = request.numpy().astype(np.int64)
+    pos = position.numpy().astype(np.int64)
+    cu = cu_logits.numpy().astype(np.int64)
+    r = np.maximum(req, 0)
+    live = (req >= 0) & (pos >= 0) & (pos < cu[r + 1] - cu[r])
+    src = np.flatnonzero(live)
+    if src.size == 0:
+        return
+    dst = cu[r[src]] + pos[src]
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    words = bitmask
+    if dst.size > 1 and np.any(dst[1:] == dst[:-1]):
+        # Several mask rows for one logits row apply as the AND of their masks.
+        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+        bm = bitmask.numpy()[src]
+        words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
+        src, dst = np.arange(starts.size), dst[starts]
+    # Same element size: a bit-pattern view of the logits' own memory, any row stride.
+    xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
+    _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
+
+
+def _apply_device(args: LaunchArgs) -> None:
+    """The sync-free path for CUDA (or any device): live rows and duplicates resolved by device ops."""
+    logits, bitmask, request, position, cu_logits, vocab_size, mask_tail = args
+    num_rows, width = logits.shape
+    req = request.to(torch.int64)
+    pos = position.to(torch.int64)
+    cu = cu_logits.to(torch.int64)
+    n = cu.shape[0] - 1
+    r = req.clamp(0, max(n - 1, 0))
+    if n > 0:
+        size = cu[r + 1] - cu[r]
+        live = (req >= 0) & (pos >= 0) & (pos < size)
+        dst = torch.where(live, cu[r] + pos, torch.full_like(pos, num_rows))
+    else:
+        live = torch.zeros_like(req, dtype=torch.bool)
+        dst = torch.full_like(pos, num_rows)
+    dst = dst.clamp(0, num_rows)  # defensive: never index past the scratch row
+    itype = INT_VIEW[logits.dtype]
+    ninf = NINF_BITS[logits.dtype]
+    xi = logits.view(itype)
+    keep_all = _keep_mask(bitmask, width, vocab_size, mask_tail, itype)
+    block = max(32, _DEVICE_BLOCK_ELEMS // max(num_rows + 1, 1) // 32 * 32)
+    for c0 in range(0, width, block):
+        c1 = min(width, c0 + block)
+        comb = torch.full((num_rows + 1, c1 - c0), -1, dtype=itype, device=logits.device)
+        comb.index_reduce_(0, dst, keep_all[:, c0:c1], "amax", include_self=True)
+        _apply_rows(xi[:, c0:c1], comb[:num_rows], ninf)
+
+
 class TorchBackend(BackendBase):
     """Pure-torch kernel backend; exact on every device torch supports."""
 
@@ -215,83 +279,9 @@ class TorchBackend(BackendBase):
         """The host-driven CPU path, or the sync-free device path."""
         return self._apply_cpu if device.type == "cpu" else self._apply_device
 
-    # -- CPU: live rows known on the host ----------------------------------------
-    def _apply_cpu(
-        self,
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> None:
-        if request.shape[0] <= FEW_ROWS:
-            # At one request the numpy calls that find live rows for a whole batch cost several times the
-            # masking itself: a few rows are worked out in Python. Two mask rows aiming at one logits row
-            # (``few is None``, nothing written) take the batch path below, which ANDs them.
-            few = live_rows(request.numpy().tolist(), position.numpy().tolist(), cu_logits.numpy().tolist())
-            if few is not None:
-                mask_rows_cpu(logits, bitmask, few, vocab_size, mask_tail)
-                return
-        itype = _NP_INT[INT_VIEW[logits.dtype]]
-        req = request.numpy().astype(np.int64)
-        pos = position.numpy().astype(np.int64)
-        cu = cu_logits.numpy().astype(np.int64)
-        r = np.maximum(req, 0)
-        live = (req >= 0) & (pos >= 0) & (pos < cu[r + 1] - cu[r])
-        src = np.flatnonzero(live)
-        if src.size == 0:
-            return
-        dst = cu[r[src]] + pos[src]
-        order = np.argsort(dst, kind="stable")
-        src, dst = src[order], dst[order]
-        words = bitmask
-        if dst.size > 1 and np.any(dst[1:] == dst[:-1]):
-            # Several mask rows for one logits row apply as the AND of their masks.
-            starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-            bm = bitmask.numpy()[src]
-            words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
-            src, dst = np.arange(starts.size), dst[starts]
-        # Same element size: a bit-pattern view of the logits' own memory, any row stride.
-        xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
-        _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
-
-    # -- CUDA (or any device): no host sync ---------------------------------------
-    def _apply_device(
-        self,
-        logits: torch.Tensor,
-        bitmask: torch.Tensor,
-        request: torch.Tensor,
-        position: torch.Tensor,
-        cu_logits: torch.Tensor,
-        vocab_size: int,
-        mask_tail: bool,
-    ) -> None:
-        num_rows, width = logits.shape
-        req = request.to(torch.int64)
-        pos = position.to(torch.int64)
-        cu = cu_logits.to(torch.int64)
-        n = cu.shape[0] - 1
-        r = req.clamp(0, max(n - 1, 0))
-        if n > 0:
-            size = cu[r + 1] - cu[r]
-            live = (req >= 0) & (pos >= 0) & (pos < size)
-            dst = torch.where(live, cu[r] + pos, torch.full_like(pos, num_rows))
-        else:
-            live = torch.zeros_like(req, dtype=torch.bool)
-            dst = torch.full_like(pos, num_rows)
-        dst = dst.clamp(0, num_rows)  # defensive: never index past the scratch row
-        itype = INT_VIEW[logits.dtype]
-        ninf = NINF_BITS[logits.dtype]
-        xi = logits.view(itype)
-        keep_all = _keep_mask(bitmask, width, vocab_size, mask_tail, itype)
-        block = max(32, _DEVICE_BLOCK_ELEMS // max(num_rows + 1, 1) // 32 * 32)
-        for c0 in range(0, width, block):
-            c1 = min(width, c0 + block)
-            comb = torch.full((num_rows + 1, c1 - c0), -1, dtype=itype, device=logits.device)
-            comb.index_reduce_(0, dst, keep_all[:, c0:c1], "amax", include_self=True)
-            _apply_rows(xi[:, c0:c1], comb[:num_rows], ninf)
+    # Seven-argument launchers (the :data:`~maskplug.kernels.sdk.Launcher` form) over the record functions.
+    _apply_cpu = staticmethod(launcher_from(_apply_cpu))
+    _apply_device = staticmethod(launcher_from(_apply_device))
 
 
 _BACKEND = TorchBackend()

@@ -29,6 +29,7 @@ from maskplug_cupy import ops  # noqa: F401  (registers torch.ops.maskplug_cupy)
 from maskplug_cupy.plugin import BACKEND, CupyBackend
 
 import maskplug
+from maskplug.kernels.sdk import LaunchArgs
 
 # ---- the CUDA source compiles for real GPUs without one --------------------------------------------------
 
@@ -147,7 +148,7 @@ def test_plan_matches_kernel_signature(dtype: torch.dtype) -> None:
         torch.zeros(3, dtype=torch.int32),
         torch.arange(5, dtype=torch.int32),
     )
-    plan = ck.plan_launch(logits, bm, req, pos, cu, 100, True, num_sms=132)
+    plan = ck.plan_launch(LaunchArgs(logits, bm, req, pos, cu, 100, True), num_sms=132)
     assert plan is not None
     params = _kernel_params(plan.kernel)
     assert [p for _, p in params] == list(ck.ARG_NAMES)
@@ -169,7 +170,7 @@ def test_plan_matches_kernel_signature(dtype: torch.dtype) -> None:
 
 def test_plan_alignment_flag() -> None:
     def aligned(view: torch.Tensor) -> bool:
-        plan = ck.plan_launch(view, *_small_args(), 1024, True, 132)
+        plan = ck.plan_launch(LaunchArgs(view, *_small_args(), 1024, True), 132)
         assert plan is not None
         return plan.aligned
 
@@ -198,7 +199,7 @@ def test_plan_shape_covers_each_pack_once(rows: int, limit: int, sms: int, esize
     bm = torch.empty(rows, -(-limit // 32), dtype=torch.int32, device="meta")
     vec = torch.empty(rows, dtype=torch.int32, device="meta")
     cu = torch.empty(3, dtype=torch.int32, device="meta")
-    plan = ck.plan_launch(logits, bm, vec, vec, cu, limit, True, sms)
+    plan = ck.plan_launch(LaunchArgs(logits, bm, vec, vec, cu, limit, True), sms)
     assert plan is not None
     packs = -(-limit // plan.pack)
     assert plan.pack * esize == 16
@@ -214,7 +215,7 @@ def test_single_decode_row_spreads_over_the_card() -> None:
     bm = torch.empty(1, 4096, dtype=torch.int32, device="meta")
     vec = torch.empty(1, dtype=torch.int32, device="meta")
     cu = torch.empty(2, dtype=torch.int32, device="meta")
-    plan = ck.plan_launch(logits, bm, vec, vec, cu, 131_072, True, 132)
+    plan = ck.plan_launch(LaunchArgs(logits, bm, vec, vec, cu, 131_072, True), 132)
     assert plan is not None and plan.grid == 128 and plan.packs_per_chunk == ck.BLOCK
 
 
@@ -281,7 +282,7 @@ def _emulated(case: Case, num_sms: int) -> torch.Tensor:
     pos = torch.from_numpy(case.position.astype(np.int32))
     cu = torch.from_numpy(case.cu_logits.astype(np.int32))
     assert vocab <= 32 * words
-    plan = ck.plan_launch(logits, case.bitmask, req, pos, cu, vocab, case.tail == "mask", num_sms)
+    plan = ck.plan_launch(LaunchArgs(logits, case.bitmask, req, pos, cu, vocab, case.tail == "mask"), num_sms)
     if plan is not None:
         tensors = {t.data_ptr(): t for t in (logits, case.bitmask, req, pos, cu)}
         _emulate(plan, tensors)

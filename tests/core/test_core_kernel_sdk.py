@@ -149,3 +149,91 @@ def test_define_apply_op_runs_the_launcher_and_refuses_other_devices() -> None:
     ):
         torch.ops.maskplug_sdk_test_cuda.apply_bitmask(fresh, bitmask, req, pos, cu, 64, True)
     assert len(seen) == 1 and torch.equal(fresh, before)
+
+
+class _Outside(sdk.BackendBase):
+    """A backend written against the seven-argument contract only, as a distribution outside maskplug would be."""
+
+    name = "outside"
+    priority = -1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, bool]] = []
+
+    def probe(self, device: torch.device) -> str | None:
+        return None
+
+    def launcher(self, device: torch.device) -> sdk.Launcher:
+        def launch(
+            logits: torch.Tensor,
+            bitmask: torch.Tensor,
+            request: torch.Tensor,
+            position: torch.Tensor,
+            cu_logits: torch.Tensor,
+            vocab_size: int,
+            mask_tail: bool,
+        ) -> None:
+            self.calls.append((vocab_size, mask_tail))
+            logits[int(cu_logits[int(request[0])]) + int(position[0]), vocab_size:] = float("-inf")
+
+        return launch
+
+
+def test_an_outside_seven_argument_launcher_runs_through_the_base_and_a_custom_op() -> None:
+    be = _Outside()
+    assert isinstance(be, sdk.KernelBackend)
+    logits, bitmask, req, pos, cu = _normalised()
+    be.apply(logits, bitmask, req, pos, cu, 60, True)
+    assert be.calls == [(60, True)]
+    assert bool(torch.isneginf(logits[0, 60:]).all()) and not bool(torch.isneginf(logits[:, :60]).any())
+    sdk.define_apply_op("maskplug_sdk_test_outside", be.launcher(torch.device("cpu")))
+    fresh = torch.zeros(2, 64)
+    torch.ops.maskplug_sdk_test_outside.apply_bitmask(fresh, bitmask, req, pos, cu, 32, False)
+    assert be.calls[-1] == (32, False)
+    assert bool(torch.isneginf(fresh[0, 32:]).all()) and not bool(torch.isneginf(fresh[1]).any())
+
+
+def test_launcher_from_hands_the_seven_arguments_on_as_one_record() -> None:
+    seen: list[sdk.LaunchArgs] = []
+
+    def run(args: sdk.LaunchArgs) -> None:
+        """Record the call."""
+        seen.append(args)
+
+    launch = sdk.launcher_from(run)
+    assert (launch.__name__, launch.__module__, launch.__doc__) == ("run", __name__, "Record the call.")
+    logits, bitmask, req, pos, cu = _normalised()
+    launch(logits, bitmask, req, pos, cu, 64, False)
+    (got,) = seen
+    assert type(got) is sdk.LaunchArgs and got == (logits, bitmask, req, pos, cu, 64, False)
+    assert got.logits is logits and got.cu_logits is cu and got.vocab_size == 64 and got.mask_tail is False
+    assert sdk.LaunchArgs._fields == (
+        "logits",
+        "bitmask",
+        "request",
+        "position",
+        "cu_logits",
+        "vocab_size",
+        "mask_tail",
+    )
+    with pytest.raises(TypeError):
+        launch(logits, bitmask, req, pos, cu, 64)  # type: ignore[call-arg]  # one short: refused, never run
+    assert len(seen) == 1
+
+
+def test_the_torch_launchers_keep_the_seven_argument_form() -> None:
+    logits = torch.zeros(1, 32)
+    bitmask = torch.full((1, 1), 0b11, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    want = torch.full((1, 32), float("-inf"))
+    want[0, :2] = 0.0
+    for launch in (TorchBackend().launcher(torch.device("cpu")), TorchBackend._apply_device):
+        out = logits.clone()
+        launch(out, bitmask, zero, zero, cu, 32, True)
+        assert torch.equal(out, want)
+    sdk.define_apply_op("maskplug_sdk_test_torch_cpu", TorchBackend().launcher(torch.device("cpu")))
+    out = logits.clone()
+    torch.ops.maskplug_sdk_test_torch_cpu.apply_bitmask(out, bitmask, zero, zero, cu, 32, True)
+    assert torch.equal(out, want)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from maskplug.kernels.sdk import device_index, launch_extent, ninf_bits, num_sms
+from maskplug.kernels.sdk import LaunchArgs, Launcher, device_index, launch_extent, launcher_from, ninf_bits, num_sms
 
 __all__ = [
     "ARG_NAMES",
@@ -78,22 +78,14 @@ class LaunchPlan:
     args: tuple[np.generic, ...]
 
 
-def plan_launch(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor,
-    request: torch.Tensor,
-    position: torch.Tensor,
-    cu_logits: torch.Tensor,
-    vocab_size: int,
-    mask_tail: bool,
-    num_sms: int,
-) -> LaunchPlan | None:
+def plan_launch(args: LaunchArgs, num_sms: int) -> LaunchPlan | None:
     """The launch for normalised arguments (see ``maskplug.KernelBackend``); ``None`` when nothing is to do.
 
     Chunking: start from ``MAX_ITERS`` packs per thread and halve while the
     grid would give fewer than ``8 × num_sms`` blocks, so a single decode row
     is spread over the whole card and large batches amortise the row lookup.
     """
+    logits, bitmask, request, position, cu_logits, vocab_size, mask_tail = args
     extent = launch_extent(logits, bitmask, vocab_size, mask_tail)
     if extent is None:
         return None
@@ -110,7 +102,7 @@ def plan_launch(
     packs_per_chunk = block * iters
     chunks = -(-packs_per_row // packs_per_chunk)
     aligned = logits.data_ptr() % 16 == 0 and (row_stride * esize) % 16 == 0
-    args: tuple[np.generic, ...] = (
+    params: tuple[np.generic, ...] = (
         np.uint64(logits.data_ptr()),
         np.int64(row_stride),
         np.uint64(bitmask.data_ptr()),
@@ -126,7 +118,7 @@ def plan_launch(
         np.int32(1 if aligned else 0),
         np.uint32(ninf_bits(logits.dtype, unsigned=True)),
     )
-    return LaunchPlan(KERNELS[esize], rows * chunks, block, pack, chunks, packs_per_chunk, aligned, args)
+    return LaunchPlan(KERNELS[esize], rows * chunks, block, pack, chunks, packs_per_chunk, aligned, params)
 
 
 def cuda_source() -> str:
@@ -182,23 +174,20 @@ def _cupy_stream(ptr: int, index: int) -> Any:
     return cupy.cuda.ExternalStream(ptr, index)
 
 
-def launch(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor,
-    request: torch.Tensor,
-    position: torch.Tensor,
-    cu_logits: torch.Tensor,
-    vocab_size: int,
-    mask_tail: bool,
-) -> None:
+def _launch(args: LaunchArgs) -> None:
     """Launch on the current torch stream of ``logits``' device (normalised arguments)."""
     import cupy
 
-    index = device_index(logits.device)
-    plan = plan_launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail, num_sms(index))
+    index = device_index(args.logits.device)
+    plan = plan_launch(args, num_sms(index))
     if plan is None:
         return
     fn = load_functions(index)[plan.kernel]
     stream = _cupy_stream(int(torch.cuda.current_stream(index).cuda_stream), index)
     with cupy.cuda.Device(index), stream:
         fn((plan.grid,), (plan.block,), plan.args)
+
+
+launch: Launcher = launcher_from(_launch)
+"""``launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)``: launch on the current
+torch stream of ``logits``' device (normalised arguments, see ``maskplug.KernelBackend``)."""

@@ -47,7 +47,16 @@ import torch
 import triton
 import triton.language as tl
 
-from maskplug.kernels.sdk import device_index, int_view, launch_extent, ninf_bits, num_sms
+from maskplug.kernels.sdk import (
+    LaunchArgs,
+    Launcher,
+    device_index,
+    int_view,
+    launch_extent,
+    launcher_from,
+    ninf_bits,
+    num_sms,
+)
 
 __all__ = ["BLOCK_W", "INTERPRETED", "MAX_TILES", "kernel_fn", "launch", "launch_shape"]
 
@@ -146,20 +155,13 @@ def launch_shape(rows: int, limit: int, num_sms: int) -> tuple[int, int, int]:
     return tiles, chunks, rows * chunks
 
 
-def launch(
-    logits: torch.Tensor,
-    bitmask: torch.Tensor,
-    request: torch.Tensor,
-    position: torch.Tensor,
-    cu_logits: torch.Tensor,
-    vocab_size: int,
-    mask_tail: bool,
-) -> None:
+def _launch(args: LaunchArgs) -> None:
     """Launch the kernel on normalised arguments (see ``maskplug.KernelBackend``).
 
     Everything read here is host metadata (shapes, strides, SM count), so the
     launch never synchronises and can be captured in a CUDA graph.
     """
+    logits, bitmask, request, position, cu_logits, vocab_size, mask_tail = args
     extent = launch_extent(logits, bitmask, vocab_size, mask_tail)
     if extent is None:
         return
@@ -183,6 +185,11 @@ def launch(
         TILES=tiles,
         num_warps=4,
     )
+
+
+launch: Launcher = launcher_from(_launch)
+"""``launch(logits, bitmask, request, position, cu_logits, vocab_size, mask_tail)``: the kernel on normalised
+arguments (see ``maskplug.KernelBackend``), reading host metadata only (no sync, CUDA-graph safe)."""
 
 
 def _is_interpreted() -> bool:
