@@ -39,10 +39,15 @@ from .sdk import INT_VIEW, NINF_BITS, BackendBase, LaunchArgs, Launcher, launche
 
 __all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
 
-_CHUNK_ELEMS = 1 << 16  # logits per CPU block: 256 KB of int32 keep-mask, it and its logits stay in L2
+_CHUNK_ELEMS = (
+    1 << 17
+)  # logits per CPU block: 512 KB of int32 keep-mask; fewer, longer numpy calls beat a block that fits L2 with room to spare
 _NP_INT: dict[torch.dtype, type[np.signedinteger[Any]]] = {torch.int32: np.int32, torch.int16: np.int16}
 FEW_ROWS = 16
 """Up to this many mask rows, the CPU path finds live rows in Python and masks them one by one."""
+_SMALL_ROW = 1024  # up to this many columns a row is masked by one masked store
+_SPARSE_MIN_WORDS = 64  # rows of at least this many whole mask words look for mostly-0 or mostly--1 words
+_SPARSE_SHARE = 4  # ... and gather the other words when they are at most 1 / _SPARSE_SHARE of the row's
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
 
 
@@ -92,6 +97,12 @@ def _apply_rows_cpu(
     if width == 0 or dst.size == 0:
         return
     group = max(1, _CHUNK_ELEMS // width)
+    if group == 1 or width >= 32 * _SPARSE_MIN_WORDS:
+        # Wide rows one by one: each row then takes the cheapest of the one-row ways.
+        keep = np.empty(min(width, max(32, _CHUNK_ELEMS // 32 * 32)), dtype=itype)
+        for d, i in zip(dst.tolist(), src.tolist(), strict=True):
+            _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)
+        return
     cols = width if group > 1 else max(8, _CHUNK_ELEMS // 8 * 8)
     keep_buf = np.empty(group * min(cols, width), dtype=itype)
     tail_fill = 0 if mask_tail else -1
@@ -130,6 +141,34 @@ def _apply_rows_cpu(
                 xi[d, c0:c1] = rows
 
 
+def _dense_block(x: npt.NDArray[Any], by: npt.NDArray[np.uint8], nbits: int, keep: npt.NDArray[Any], ninf: Any) -> None:
+    """Mask the first ``nbits`` columns of ``x`` (1-D or ``(k, c)``) with the bits of ``by`` (bytes per row), branch-free.
+
+    ``keep`` is scratch of at least ``x.size`` elements of ``x``'s dtype.
+    """
+    bits = np.unpackbits(by, axis=-1, count=nbits, bitorder="little").view(np.int8)
+    # 0/1 to 0/-1 in bytes, then sign-extended: faster than negating into the wide type.
+    np.negative(bits, out=bits)
+    r = x[..., :nbits]
+    k = keep[: r.size].reshape(r.shape)
+    np.copyto(k, bits)
+    # x = ((x ^ NINF) & keep) ^ NINF: kept bits unchanged, dropped ones exactly NINF.
+    np.bitwise_xor(r, ninf, out=r)
+    np.bitwise_and(r, k, out=r)
+    np.bitwise_xor(r, ninf, out=r)
+
+
+def _masked_groups(
+    groups: npt.NDArray[Any], w: npt.NDArray[np.int32], idx: npt.NDArray[np.intp], keep: npt.NDArray[Any], ninf: Any
+) -> npt.NDArray[Any]:
+    """A masked copy of the 32-column ``groups`` rows ``idx``, each with its word of ``w``."""
+    g = groups[idx]
+    if idx.size:
+        scratch = keep if keep.shape[0] >= g.size else np.empty(g.size, dtype=keep.dtype)
+        _dense_block(g, w[idx].view(np.uint8).reshape(idx.size, 4), 32, scratch, ninf)
+    return g
+
+
 def _apply_row_cpu(
     x: npt.NDArray[Any],
     words: npt.NDArray[np.int32],
@@ -138,30 +177,57 @@ def _apply_row_cpu(
     ninf: np.signedinteger[Any],
     keep: npt.NDArray[Any],
 ) -> None:
-    """Mask one logits row ``x`` (an integer view) with one mask row ``words``, ``len(keep)`` columns at a time.
+    """Mask one logits row ``x`` (an integer view) with one mask row ``words``.
 
-    ``len(keep)`` is a multiple of 32, so every block starts on a mask word.
+    Three ways, each writing exactly what the branch-free form would:
+
+    * a narrow row (``<= _SMALL_ROW`` columns): one masked store of ``NINF``
+      at the dropped columns (fewest numpy calls; branching per element costs
+      nothing at this width);
+    * a row whose whole mask words are mostly ``0`` (nothing allowed, as a
+      grammar gives between structural tokens) or mostly ``-1`` (everything
+      allowed): only the other words' 32-column groups are gathered and masked
+      branch-free; the rest is filled with ``NINF`` (a write-only pass, cheaper
+      than a copy) or left alone;
+    * otherwise branch-free, ``len(keep)`` columns at a time (a multiple of 32,
+      so every block starts on a mask word).
     """
     width = x.shape[0]
-    step = keep.shape[0]
-    for c0 in range(0, width, step):
-        c1 = min(width, c0 + step)
-        k = keep[: c1 - c0]
-        nbits = max(0, min(c1, vocab_size) - c0)  # columns of this block the mask decides
-        if nbits:
+    n = min(vocab_size, width)  # columns the mask decides
+    if width <= _SMALL_ROW:
+        if n:
             # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j.
-            by = words[c0 // 32 : (c0 + nbits + 31) // 32].view(np.uint8)
-            bits = np.unpackbits(by, count=nbits, bitorder="little").view(np.int8)
-            # 0/1 to 0/-1 in bytes, then sign-extended: faster than negating into the wide type.
-            np.negative(bits, out=bits)
-            np.copyto(k[:nbits], bits)
-        if nbits < c1 - c0:
-            k[nbits:] = 0 if mask_tail else -1
-        r = x[c0:c1]
-        # x = ((x ^ NINF) & keep) ^ NINF: kept bits unchanged, dropped ones exactly NINF.
-        np.bitwise_xor(r, ninf, out=r)
-        np.bitwise_and(r, k, out=r)
-        np.bitwise_xor(r, ninf, out=r)
+            drop = np.unpackbits(np.invert(words[: (n + 31) // 32]).view(np.uint8), count=n, bitorder="little")
+            np.copyto(x[:n], ninf, where=drop.view(np.bool_))
+        if mask_tail and n < width:
+            x[n:] = ninf
+        return
+    nw = n // 32  # whole words; the columns past them take the general path below
+    done = 0
+    if nw >= _SPARSE_MIN_WORDS:
+        w = words[:nw]
+        groups = x[: 32 * nw].reshape(nw, 32)
+        some = w != 0  # words allowing something (nonzero of a bool array is several times faster)
+        if np.count_nonzero(some) <= nw // _SPARSE_SHARE:
+            idx = some.nonzero()[0]
+            g = _masked_groups(groups, w, idx, keep, ninf)
+            groups.fill(ninf)
+            groups[idx] = g
+            done = 32 * nw
+        else:
+            some = w != -1  # words dropping something
+            if np.count_nonzero(some) <= nw // _SPARSE_SHARE:
+                idx = some.nonzero()[0]
+                groups[idx] = _masked_groups(groups, w, idx, keep, ninf)
+                done = 32 * nw
+    step = keep.shape[0]
+    for c0 in range(done, width, step):
+        c1 = min(width, c0 + step)
+        nbits = max(0, min(c1, n) - c0)  # columns of this block the mask decides
+        if nbits:
+            _dense_block(x[c0:c1], words[c0 // 32 : (c0 + nbits + 31) // 32].view(np.uint8), nbits, keep, ninf)
+        if mask_tail and nbits < c1 - c0:
+            x[c0 + nbits : c1] = ninf
 
 
 def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tuple[int, int]] | None:

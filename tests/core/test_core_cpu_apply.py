@@ -1,10 +1,13 @@
 """The torch backend's CPU path, block by block, against ``maskplug.reference``.
 
 The CPU path works in blocks of at most ``_CHUNK_ELEMS`` logits: groups of
-whole rows when rows are narrow, column ranges of one row when they are wide.
-At the real block size the property tests elsewhere only meet row groups, so
-here the block size is drawn small, which makes every case cross column-range
-and row-group boundaries: ranges that start mid-word, ranges wholly past the
+whole rows when rows are narrow, column ranges of one row when they are wide;
+one row at a time it picks a masked store (narrow rows), a gather of the
+32-column groups whose mask words are not all 0 or not all -1 (rows whose
+words mostly are), or the branch-free blocks. At the real sizes the property
+tests elsewhere meet few of these, so here the block size and the thresholds
+are drawn small, which makes every case cross column-range and row-group
+boundaries and take every one-row way: ranges that start mid-word, ranges wholly past the
 grammar's vocabulary, gathered (non-consecutive) logits rows, mask rows taken
 out of order, and several mask rows for one logits row (applied as the AND of
 their masks). Logits are compared bit for bit through an integer view.
@@ -17,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -33,15 +37,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(INT_VIEW[t.dtype])
 
 
+_KNOBS = ("_CHUNK_ELEMS", "_SMALL_ROW", "_SPARSE_MIN_WORDS", "_SPARSE_SHARE")
+
+
 @contextmanager
-def chunk_elems(n: int) -> Iterator[None]:
-    """Run the CPU path with blocks of at most ``n`` logits."""
-    saved = torch_backend._CHUNK_ELEMS
-    torch_backend._CHUNK_ELEMS = n
+def knobs(chunk: int, small_row: int, sparse_min: int, sparse_share: int) -> Iterator[None]:
+    """Run the CPU path with blocks of at most ``chunk`` logits and the given one-row thresholds."""
+    saved = [getattr(torch_backend, k) for k in _KNOBS]
+    for k, v in zip(_KNOBS, (chunk, small_row, sparse_min, sparse_share), strict=True):
+        setattr(torch_backend, k, v)
     try:
         yield
     finally:
-        torch_backend._CHUNK_ELEMS = saved
+        for k, v in zip(_KNOBS, saved, strict=True):
+            setattr(torch_backend, k, v)
 
 
 @st.composite
@@ -99,7 +108,12 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "cu": cu,
         "vocab_size": vocab_size,
         "tail": draw(st.sampled_from(["mask", "keep"])),
-        "chunk": draw(st.sampled_from([8, 16, 24, 40, 64, 96, 200, 1 << 16])),
+        "chunk": draw(st.sampled_from([8, 16, 24, 40, 64, 96, 200, 1 << 17])),
+        # One-row ways: the masked store up to small_row columns; past it, the gather of the words that are
+        # not all 0 (or not all -1) when at most 1 / sparse_share of a row's sparse_min or more words are.
+        "small_row": draw(st.sampled_from([0, 16, 64, 1024])),
+        "sparse_min": draw(st.sampled_from([1, 2, 64])),
+        "sparse_share": draw(st.sampled_from([1, 2, 4])),
     }
 
 
@@ -111,7 +125,7 @@ def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     )
     base = case["wide"]
     before = base.clone()
-    with chunk_elems(case["chunk"]):
+    with knobs(case["chunk"], case["small_row"], case["sparse_min"], case["sparse_share"]):
         mp.apply_grammar_bitmask(
             case["logits"],
             case["bitmask"],
@@ -169,3 +183,45 @@ def test_cpu_apply_on_a_tensor_that_requires_grad() -> None:
         mp.apply_grammar_bitmask(leaf, bm, mapping, cu, backend="torch")
     assert torch.equal(bits(leaf.detach()), bits(expected))
     assert int(torch.isneginf(expected).sum()) > 0  # the mask did drop something
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tail", ["mask", "keep"])
+def test_wide_rows_at_the_real_thresholds_match_reference(dtype: torch.dtype, tail: str) -> None:
+    """Rows wide enough for every one-row way at the shipped sizes: mostly-0 words, mostly--1 words, random bits.
+
+    Strided logits, a vocabulary that is not a multiple of 32, and two mask rows for one logits row.
+    """
+    rng = np.random.default_rng(11)
+    width, vocab = 9_000, 8_999
+    words = (vocab + 31) // 32
+    bm = np.zeros((5, words), dtype=np.int32)
+    bm[0, rng.choice(words, 20, replace=False)] = rng.integers(1, 2**31, 20)  # grammar-like: few words allow
+    bm[1] = -1
+    bm[1, rng.choice(words, 20, replace=False)] = rng.integers(-(2**31), -1, 20)  # permissive: few words drop
+    bm[2] = rng.integers(-(2**31), 2**31, words)  # random bits
+    bm[3] = bm[0] | rng.integers(-(2**31), 2**31, words) * (rng.random(words) < 0.1)
+    bm[4] = bm[1]  # with row 3, aims at one logits row: the AND of both
+    request = np.array([0, 0, 0, 0, 0], dtype=np.int32)
+    position = np.array([0, 1, 2, 3, 3], dtype=np.int32)
+    cu = np.array([0, 4])
+    raw = rng.integers(np.iinfo(np.int16).min, np.iinfo(np.int16).max, size=(4, width + 40))
+    if dtype == torch.float32:
+        wide = torch.from_numpy((raw * 65_537).astype(np.int32)).view(dtype)  # NaNs, infinities, subnormals
+    else:
+        wide = torch.from_numpy(raw.astype(np.int16)).view(dtype)
+    logits = wide[:, 20 : 20 + width]
+    outside = torch.cat([bits(wide[:, :20]), bits(wide[:, 20 + width :])], dim=1)
+    expected = logits.clone()
+    bitmask = torch.from_numpy(bm)
+    reference.apply_grammar_bitmask(expected, bitmask, (request, position), cu, vocab_size=vocab, tail=tail)
+    for rows in (slice(0, 5), slice(0, 1), slice(1, 2), slice(2, 3)):  # the batch path and the few-row path
+        got = logits.clone()
+        want = logits.clone()
+        mapping = (request[rows], position[rows])
+        reference.apply_grammar_bitmask(want, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail)
+        mp.apply_grammar_bitmask(got, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail, backend="torch")
+        assert torch.equal(bits(got), bits(want))
+    mp.apply_grammar_bitmask(logits, bitmask, (request, position), cu, vocab_size=vocab, tail=tail, backend="torch")
+    assert torch.equal(bits(logits), bits(expected))
+    assert torch.equal(torch.cat([bits(wide[:, :20]), bits(wide[:, 20 + width :])], dim=1), outside)
