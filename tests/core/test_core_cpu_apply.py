@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
@@ -187,7 +187,7 @@ def test_cpu_apply_on_a_tensor_that_requires_grad() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tail", ["mask", "keep"])
-def test_wide_rows_at_the_real_thresholds_match_reference(dtype: torch.dtype, tail: str) -> None:
+def test_wide_rows_at_the_real_thresholds_match_reference(dtype: torch.dtype, tail: Literal["mask", "keep"]) -> None:
     """Rows wide enough for every one-row way at the shipped sizes: mostly-0 words, mostly--1 words, random bits.
 
     Strided logits, a vocabulary that is not a multiple of 32, and two mask rows for one logits row.
