@@ -8,6 +8,8 @@ this module:
 
 * :func:`apply_rows`: the scheduler's numpy bitmask moved to the logits'
   device and applied through a row mapping (both workers of both releases);
+* :func:`make_apply_compacted`: the replacement of ``StructuredOutputsWorker.apply_grammar_bitmask``
+  around the release's rows of one step;
 * :func:`make_grammar_init`: the wrapper of ``StructuredOutputManager.grammar_init``
   that installs :class:`~maskplug_vllm.backend.MaskplugBackend`;
 * :func:`make_grammar_bitmask`: the wrapper of ``StructuredOutputManager.grammar_bitmask``
@@ -28,14 +30,29 @@ from maskplug import DraftMasks, apply_grammar_bitmask
 from maskplug.engines.sdk import wraps
 
 from .backend import MaskplugBackend, bind_grammars, fail_requests, provider_for
+from .host import StepRows
 
-__all__ = ["FillRows", "RowsNeeded", "apply_rows", "bitmask_to", "make_grammar_bitmask", "make_grammar_init"]
+__all__ = [
+    "CompactedRows",
+    "FillRows",
+    "RowsNeeded",
+    "apply_rows",
+    "bitmask_to",
+    "make_apply_compacted",
+    "make_grammar_bitmask",
+    "make_grammar_init",
+]
 
 RowsNeeded = Callable[[Sequence[str], Mapping[str, Sequence[int]], int], int]
 """``(grammar_req_ids, spec_tokens, stride) -> rows the step needs``; ``stride`` is ``num_speculative_tokens + 1``."""
 
 FillRows = Callable[[torch.Tensor, list[Any], list[str], dict[str, list[int]], int], tuple[int, DraftMasks]]
 """``(bitmask, grammars, grammar_req_ids, spec_tokens, stride) -> (rows written, draft masks)``."""
+
+CompactedRows = Callable[[Any, Any, list[str], np.ndarray], StepRows]
+"""``(worker, input_batch, grammar_req_ids, grammar_bitmask) -> the step's rows`` (checked against the bitmask)."""
+
+ApplyCompacted = Callable[[Any, torch.Tensor, Any, list[str], np.ndarray], None]
 
 
 def bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,6 +84,30 @@ def apply_rows(
     # narrower mask never reads past its words (the rest is masked as tail).
     vocab_size = int(min(logits.shape[1], 32 * bitmask.shape[1]))
     apply_grammar_bitmask(logits, bitmask, mapping, cu, vocab_size=vocab_size, tail="mask")
+
+
+def make_apply_compacted(step_rows_of: CompactedRows) -> ApplyCompacted:
+    """A drop-in for ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``.
+
+    ``step_rows_of`` maps the bitmask's rows in the release's layout, from
+    the drafts as scheduled. The device ``cu_num_logits`` (compacted by
+    adaptive verification) only decides which rows are live: it is read on
+    the device, never copied back, so every budget regime is handled and the
+    host never waits. The bitmask goes to the device through the worker's own
+    buffer when it has one.
+    """
+
+    def apply_compacted(
+        worker: Any, logits: torch.Tensor, input_batch: Any, grammar_req_ids: list[str], grammar_bitmask: np.ndarray
+    ) -> None:
+        if not grammar_req_ids:
+            return
+        rows = step_rows_of(worker, input_batch, grammar_req_ids, grammar_bitmask)
+        cu = input_batch.cu_num_logits[: rows.num_batch + 1]
+        apply_rows(logits, grammar_bitmask, rows.mapping, cu, getattr(worker, "grammar_bitmask", None))
+
+    apply_compacted.__doc__ = make_apply_compacted.__doc__
+    return apply_compacted
 
 
 def make_grammar_init(orig: Callable[..., Any], *, record_backend_name: bool) -> Callable[..., Any]:

@@ -136,22 +136,8 @@ def _scheduled_drafts(input_batch: Any, n: int) -> npt.NDArray[np.int64]:
     return nd
 
 
-def apply_compacted(
-    worker: Any,
-    logits: torch.Tensor,
-    input_batch: Any,
-    grammar_req_ids: list[str],
-    grammar_bitmask: np.ndarray,
-) -> None:
-    """Drop-in for vLLM 0.33's ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``.
-
-    The bitmask has ``worker.mask_stride`` rows per grammar request. The
-    mapping comes from the scheduled layout; the device ``cu_num_logits``
-    (compacted by adaptive verification) only decides which rows are live,
-    and is read on the device.
-    """
-    if not grammar_req_ids:
-        return
+def _compacted_rows(worker: Any, input_batch: Any, grammar_req_ids: list[str], grammar_bitmask: np.ndarray) -> StepRows:
+    """The fixed rows of one step: ``worker.mask_stride`` rows per grammar request, checked against the bitmask."""
     stride = int(worker.mask_stride)
     if grammar_bitmask.shape[0] != stride * len(grammar_req_ids):
         raise LayoutError(
@@ -159,10 +145,15 @@ def apply_compacted(
             f"{stride * len(grammar_req_ids)} in all, got {grammar_bitmask.shape[0]}"
         )
     req_ids = list(input_batch.req_ids)
-    n = len(req_ids)
-    rows = fixed_step_rows(req_ids, grammar_req_ids, _scheduled_drafts(input_batch, n), NUM_BONUS, stride)
-    cu = input_batch.cu_num_logits[: n + 1]
-    apply_rows(logits, grammar_bitmask, rows.mapping, cu, getattr(worker, "grammar_bitmask", None))
+    return fixed_step_rows(req_ids, grammar_req_ids, _scheduled_drafts(input_batch, len(req_ids)), NUM_BONUS, stride)
+
+
+apply_compacted = common.make_apply_compacted(_compacted_rows)
+"""Drop-in for vLLM 0.33's ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``.
+
+The bitmask has ``worker.mask_stride`` rows per grammar request (:func:`_compacted_rows`); see
+:func:`maskplug_vllm.common.make_apply_compacted`.
+"""
 
 
 # ---------------------------------------------------------------- scheduler --

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .common import apply_rows
+from .common import apply_rows, make_apply_compacted
 from .host import StepRows, draft_counts, step_rows
 
 __all__ = ["SCHEDULED_SPEC_ATTR", "apply_compacted", "apply_scatter"]
@@ -97,16 +97,8 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     apply_rows(logits, bitmask_np, rows.mapping, cu)
 
 
-def apply_compacted(
-    worker: Any,
-    logits: torch.Tensor,
-    input_batch: Any,
-    grammar_req_ids: list[str],
-    grammar_bitmask: np.ndarray,
-) -> None:
-    """Drop-in for ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``."""
-    if not grammar_req_ids:
-        return
+def _compacted_rows(worker: Any, input_batch: Any, grammar_req_ids: list[str], grammar_bitmask: np.ndarray) -> StepRows:
+    """The ragged rows of one step: each request's scheduled drafts and ``worker.num_bonus_tokens`` rows."""
     num_bonus = int(worker.num_bonus_tokens)
     req_ids = list(input_batch.req_ids)
     n = len(req_ids)
@@ -114,8 +106,12 @@ def apply_compacted(
     if nd is None:
         # No drafts scheduled: every request has just its bonus rows.
         nd = np.maximum(np.diff(np.asarray(input_batch.cu_num_logits_np[: n + 1], dtype=np.int64)) - num_bonus, 0)
-    rows = step_rows(req_ids, grammar_req_ids, np.asarray(nd, dtype=np.int64)[:n], num_bonus)
-    # The device offsets are authoritative after adaptive verification; they
-    # are read on the device, never copied back.
-    cu = input_batch.cu_num_logits[: n + 1]
-    apply_rows(logits, grammar_bitmask, rows.mapping, cu, getattr(worker, "grammar_bitmask", None))
+    return step_rows(req_ids, grammar_req_ids, np.asarray(nd, dtype=np.int64)[:n], num_bonus)
+
+
+apply_compacted = make_apply_compacted(_compacted_rows)
+"""Drop-in for ``StructuredOutputsWorker.apply_grammar_bitmask(self, logits, input_batch, ids, bitmask)``.
+
+The bitmask's rows are ragged (:func:`_compacted_rows`); see
+:func:`maskplug_vllm.common.make_apply_compacted`.
+"""
