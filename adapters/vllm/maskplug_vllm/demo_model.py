@@ -50,76 +50,52 @@ _CITIES = ["oslo", "lima", "paris", "tokyo", "cairo", "quito", "rome", "delhi", 
 _NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy"]
 _WORDS = ["red", "blue", "fast", "cheap", "new", "old", "big", "tiny", "home", "work", "tea", "map"]
 
+
+def _record(**properties: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object schema with exactly ``properties``, every one required (every object of the demo is one)."""
+    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+
+
 #: The demo's JSON schemas: every value bounded (enums, integer ranges, string and array lengths), so
 #: the grammar itself ends each answer within a known length unless the model writes whitespace runs.
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "weather": {
-        "type": "object",
-        "properties": {
-            "city": {"enum": _CITIES},
-            "temperature": {"type": "integer", "minimum": -30, "maximum": 45},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-            "conditions": {
-                "type": "array",
-                "items": {"enum": ["sunny", "rain", "wind", "snow", "fog", "cloudy"]},
-                "minItems": 1,
-                "maxItems": 3,
-            },
+    "weather": _record(
+        city={"enum": _CITIES},
+        temperature={"type": "integer", "minimum": -30, "maximum": 45},
+        unit={"enum": ["celsius", "fahrenheit"]},
+        conditions={
+            "type": "array",
+            "items": {"enum": ["sunny", "rain", "wind", "snow", "fog", "cloudy"]},
+            "minItems": 1,
+            "maxItems": 3,
         },
-        "required": ["city", "temperature", "unit", "conditions"],
-        "additionalProperties": False,
-    },
-    "tool_call": {
-        "type": "object",
-        "properties": {
-            "tool": {"enum": ["search", "calculator", "calendar", "maps"]},
-            "arguments": {
-                "type": "object",
-                "properties": {
-                    "query": {"type": "string", "minLength": 1, "maxLength": 24},
-                    "limit": {"type": "integer", "minimum": 1, "maximum": 20},
-                },
-                "required": ["query", "limit"],
-                "additionalProperties": False,
-            },
+    ),
+    "tool_call": _record(
+        tool={"enum": ["search", "calculator", "calendar", "maps"]},
+        arguments=_record(
+            query={"type": "string", "minLength": 1, "maxLength": 24},
+            limit={"type": "integer", "minimum": 1, "maximum": 20},
+        ),
+    ),
+    "person": _record(
+        name={"type": "string", "minLength": 1, "maxLength": 16},
+        age={"type": "integer", "minimum": 0, "maximum": 99},
+        active={"type": "boolean"},
+        tags={"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    ),
+    "order": _record(
+        order_id={"type": "integer", "minimum": 1000, "maximum": 9999},
+        items={
+            "type": "array",
+            "items": _record(
+                sku={"type": "string", "minLength": 3, "maxLength": 8},
+                qty={"type": "integer", "minimum": 1, "maximum": 9},
+            ),
+            "minItems": 1,
+            "maxItems": 3,
         },
-        "required": ["tool", "arguments"],
-        "additionalProperties": False,
-    },
-    "person": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "minLength": 1, "maxLength": 16},
-            "age": {"type": "integer", "minimum": 0, "maximum": 99},
-            "active": {"type": "boolean"},
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-        },
-        "required": ["name", "age", "active", "tags"],
-        "additionalProperties": False,
-    },
-    "order": {
-        "type": "object",
-        "properties": {
-            "order_id": {"type": "integer", "minimum": 1000, "maximum": 9999},
-            "items": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "sku": {"type": "string", "minLength": 3, "maxLength": 8},
-                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                    },
-                    "required": ["sku", "qty"],
-                    "additionalProperties": False,
-                },
-                "minItems": 1,
-                "maxItems": 3,
-            },
-            "express": {"type": "boolean"},
-        },
-        "required": ["order_id", "items", "express"],
-        "additionalProperties": False,
-    },
+        express={"type": "boolean"},
+    ),
 }
 
 
