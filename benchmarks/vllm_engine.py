@@ -106,61 +106,6 @@ def _structured_workload(n: int, seed: int, kind: str = "structured") -> list[di
     return tiny.structured_workload(n, seed)
 
 
-def _closed_loop(engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: int, tag: str) -> dict[str, Any]:
-    sampling_params = tiny.sampling_params
-
-    pending = list(enumerate(reqs))
-    in_flight = 0
-    tokens = steps = model_steps = 0
-    step_s = model_step_s = model_step_cpu = 0.0
-    finish: dict[str, int] = {}
-
-    def submit() -> None:
-        nonlocal in_flight
-        while pending and in_flight < c:
-            i, r = pending.pop(0)
-            engine.add_request(f"{tag}-{i}", r["prompt"], sampling_params(r, max_tokens))
-            in_flight += 1
-
-    load_before = os.getloadavg()[0]
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    submit()
-    while in_flight or pending:
-        s0, c0 = time.perf_counter(), time.process_time()
-        outs = engine.step()
-        dt, dc = time.perf_counter() - s0, time.process_time() - c0
-        step_s += dt
-        steps += 1
-        if outs:  # the model ran (a step that only waits for grammar compilation returns nothing)
-            model_steps += 1
-            model_step_s += dt
-            model_step_cpu += dc
-        for o in outs:
-            if o.finished:
-                in_flight -= 1
-                tokens += len(o.outputs[0].token_ids)
-                reason = str(o.outputs[0].finish_reason)
-                finish[reason] = finish.get(reason, 0) + 1
-        submit()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return {
-        "requests": len(reqs),
-        "output_tokens": tokens,
-        "seconds": wall,
-        "cpu_seconds": cpu,
-        "tokens_per_s": tokens / wall,
-        "tokens_per_cpu_s": tokens / cpu,
-        "mean_step_cpu_ms": 1e3 * model_step_cpu / max(1, model_steps),
-        "steps": steps,
-        "model_steps": model_steps,
-        "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
-        "mean_step_ms_all": 1e3 * step_s / max(1, steps),
-        "finish_reasons": finish,
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-    }
-
-
 def child(spec_json: str) -> None:
     """One engine configuration in this process; prints one JSON line of results."""
     cfg = json.loads(spec_json)
@@ -185,7 +130,7 @@ def child(spec_json: str) -> None:
     kind = cfg.get("workload", "structured")
     # Compile every grammar of the workload once (vLLM caches compiled grammars), so no timed
     # run waits for a compilation.
-    _closed_loop(engine, _structured_workload(64, 0, kind), 64, 2, "compile")
+    tiny.closed_loop(engine, _structured_workload(64, 0, kind), 64, 2, "compile")
     results: list[dict[str, Any]] = []
     names = cfg["schedulers"] or [None]
     if cfg["schedulers"]:
@@ -196,10 +141,10 @@ def child(spec_json: str) -> None:
         for c in cfg["concurrency"]:
             n = max(cfg["min_requests"], cfg["requests_per_slot"] * c)
             # Warm-up at this batch size (shapes, grammar caches), not timed.
-            _closed_loop(engine, _structured_workload(c, 1000 + c, kind), c, 6, f"warm-{name}-{c}")
+            tiny.closed_loop(engine, _structured_workload(c, 1000 + c, kind), c, 6, f"warm-{name}-{c}")
             if name is not None:
                 maskplug_vllm.reset_step_stats()
-            res = _closed_loop(engine, _structured_workload(n, c, kind), c, cfg["max_tokens"], f"run-{name}-{c}")
+            res = tiny.closed_loop(engine, _structured_workload(n, c, kind), c, cfg["max_tokens"], f"run-{name}-{c}")
             res.update(config=name or cfg["label"], concurrency=c)
             if name is not None:
                 res["stats"] = maskplug_vllm.step_stats()

@@ -17,7 +17,8 @@ purpose: the benchmarks must not change when the demo's model or workload does.
   (free text after a prompt of repeated digits, which the random model does
   not continue).
 * :func:`closed_loop`: ``c`` requests in flight on an ``LLMEngine``, output
-  tokens, CPU and wall time, and a digest of every request's tokens.
+  tokens, CPU and wall time (in all and per model step), and a digest of
+  every request's tokens.
 * :class:`EngineProcess`: one engine configuration in its own process (vLLM
   loads its plugins once per process), driven round by round over a pipe so
   that configurations can be measured interleaved without restarting engines.
@@ -233,9 +234,15 @@ def ngram(k: int) -> dict[str, Any]:
 def closed_loop(
     engine: Any, reqs: list[dict[str, Any]], c: int, max_tokens: int, tag: str, *, on_step: Any = None
 ) -> dict[str, Any]:
-    """Run ``reqs`` with ``c`` in flight (the next added as one finishes); tokens, times and a token digest."""
+    """Run ``reqs`` with ``c`` in flight (the next added as one finishes); tokens, times and a token digest.
+
+    Every step is timed on both clocks; the ``mean_step_*`` figures count only
+    the steps that ran the model (a step that only waits for grammar
+    compilation returns no output), ``mean_step_ms_all`` every step.
+    """
     pending = list(enumerate(reqs))
-    in_flight = tokens = steps = 0
+    in_flight = tokens = steps = model_steps = 0
+    step_s = model_step_s = model_step_cpu = 0.0
     outputs: dict[int, list[int]] = {}
     finish: dict[str, int] = {}
 
@@ -250,8 +257,15 @@ def closed_loop(
     t0, cpu0 = time.perf_counter(), time.process_time()
     submit()
     while in_flight or pending:
+        s0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
+        dt, dc = time.perf_counter() - s0, time.process_time() - c0
+        step_s += dt
         steps += 1
+        if outs:
+            model_steps += 1
+            model_step_s += dt
+            model_step_cpu += dc
         if on_step is not None:
             on_step()
         for o in outs:
@@ -273,6 +287,10 @@ def closed_loop(
         "tokens_per_s": tokens / wall,
         "tokens_per_cpu_s": tokens / cpu,
         "steps": steps,
+        "model_steps": model_steps,
+        "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
+        "mean_step_cpu_ms": 1e3 * model_step_cpu / max(1, model_steps),
+        "mean_step_ms_all": 1e3 * step_s / max(1, steps),
         "digest": digest,
         "finish_reasons": finish,
         "load_before": load_before,
