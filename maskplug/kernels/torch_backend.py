@@ -27,6 +27,7 @@ the work is split into column blocks to bound temporaries.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,39 @@ _SMALL_ROW = 1024  # up to this many columns a row is masked by one masked store
 _SPARSE_MIN_WORDS = 64  # rows of at least this many whole mask words look for mostly-0 or mostly--1 words
 _SPARSE_SHARE = 4  # ... and gather the other words when they are at most 1 / _SPARSE_SHARE of the row's
 _DEVICE_BLOCK_ELEMS = 1 << 23  # bounds the device path's combined keep-mask temporaries (32 MB of int32)
+
+
+_DROP_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 0
+"""``_DROP_BITS[b]``: the 8 columns a mask byte ``b`` drops (fewer numpy calls than unpacking a narrow row)."""
+_CPU_BITS: dict[torch.dtype, tuple[torch.dtype, np.signedinteger[Any]]] = {
+    dt: (INT_VIEW[dt], _NP_INT[INT_VIEW[dt]](NINF_BITS[dt])) for dt in INT_VIEW
+}
+"""Per logits dtype: the integer view and its ``-inf`` bit pattern as a numpy scalar (looked up once per call)."""
+_NO_KEEP = np.empty(0, dtype=np.int32)  # rows of at most _SMALL_ROW columns need no keep-mask scratch
+
+
+class _Scratch(threading.local):
+    """Keep-mask scratch per thread and integer dtype, reused across calls.
+
+    A fresh buffer of a wide row's size comes from the system as untouched
+    pages, and faulting them in on every call costs more than masking a row.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[np.dtype[Any], npt.NDArray[Any]] = {}
+
+
+_scratch_buffers = _Scratch()
+
+
+def _scratch(dtype: np.dtype[Any] | type[np.signedinteger[Any]], n: int) -> npt.NDArray[Any]:
+    """At least ``n`` elements of ``dtype`` this thread may overwrite (contents undefined)."""
+    key = np.dtype(dtype)
+    buf = _scratch_buffers.buffers.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = np.empty(max(n, 1024), dtype=key)
+        _scratch_buffers.buffers[key] = buf
+    return buf
 
 
 def _keep_mask(words: torch.Tensor, width: int, vocab_size: int, mask_tail: bool, itype: torch.dtype) -> torch.Tensor:
@@ -99,12 +133,12 @@ def _apply_rows_cpu(
     group = max(1, _CHUNK_ELEMS // width)
     if group == 1 or width >= 32 * _SPARSE_MIN_WORDS:
         # Wide rows one by one: each row then takes the cheapest of the one-row ways.
-        keep = np.empty(min(width, max(32, _CHUNK_ELEMS // 32 * 32)), dtype=itype)
+        keep = _scratch(itype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
         for d, i in zip(dst.tolist(), src.tolist(), strict=True):
             _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)
         return
     cols = width if group > 1 else max(8, _CHUNK_ELEMS // 8 * 8)
-    keep_buf = np.empty(group * min(cols, width), dtype=itype)
+    keep_buf = _scratch(itype, group * min(cols, width))
     tail_fill = 0 if mask_tail else -1
     for s in range(0, dst.size, group):
         d = dst[s : s + group]
@@ -196,9 +230,9 @@ def _apply_row_cpu(
     n = min(vocab_size, width)  # columns the mask decides
     if width <= _SMALL_ROW:
         if n:
-            # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j.
-            drop = np.unpackbits(np.invert(words[: (n + 31) // 32]).view(np.uint8), count=n, bitorder="little")
-            np.copyto(x[:n], ninf, where=drop.view(np.bool_))
+            # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j (a table row of 8).
+            drop = _DROP_BITS.take(words[: (n + 31) // 32].view(np.uint8), axis=0).reshape(-1)
+            x[:n][drop[:n]] = ninf
         if mask_tail and n < width:
             x[n:] = ninf
         return
@@ -236,6 +270,9 @@ def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tu
     For a few rows, on checked values as Python lists: row ``i`` is live iff
     ``request[i] >= 0`` and ``0 <= position[i] < cu[r + 1] - cu[r]``.
     """
+    if len(request) == 1:  # one decode row: no sort, no duplicate to find
+        r, p = request[0], position[0]
+        return [(cu[r] + p, 0)] if r >= 0 and 0 <= p < cu[r + 1] - cu[r] else []
     live = sorted(
         (cu[r] + p, i)
         for i, (r, p) in enumerate(zip(request, position, strict=True))
@@ -256,12 +293,11 @@ def mask_rows_cpu(
     """
     if not live:
         return
-    xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
-    itype = _NP_INT[INT_VIEW[logits.dtype]]
-    ninf = itype(NINF_BITS[logits.dtype])
+    ibits, ninf = _CPU_BITS[logits.dtype]
+    xi = (logits.detach() if logits.requires_grad else logits).view(ibits).numpy()
     words = bitmask.numpy()
     width = xi.shape[1]
-    keep = np.empty(min(width, max(32, _CHUNK_ELEMS // 32 * 32)), dtype=itype)
+    keep = _NO_KEEP if width <= _SMALL_ROW else _scratch(ninf.dtype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
     for d, i in live:
         _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)
 
