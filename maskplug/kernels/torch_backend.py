@@ -192,15 +192,17 @@ def _dense_block(x: npt.NDArray[Any], by: npt.NDArray[np.uint8], nbits: int, kee
     np.bitwise_xor(r, ninf, out=r)
 
 
-def _masked_groups(
-    groups: npt.NDArray[Any], w: npt.NDArray[np.int32], idx: npt.NDArray[np.intp], keep: npt.NDArray[Any], ninf: Any
-) -> npt.NDArray[Any]:
-    """A masked copy of the 32-column ``groups`` rows ``idx``, each with its word of ``w``."""
-    g = groups[idx]
-    if idx.size:
-        scratch = keep if keep.shape[0] >= g.size else np.empty(g.size, dtype=keep.dtype)
-        _dense_block(g, w[idx].view(np.uint8).reshape(idx.size, 4), 32, scratch, ninf)
-    return g
+def _set_columns(w: npt.NDArray[np.int32], idx: npt.NDArray[np.intp], clear: bool) -> npt.NDArray[np.intp]:
+    """The columns of words ``w[idx]`` whose bit is set (``clear``: whose bit is clear), in increasing order."""
+    sel = w[idx]
+    if clear:
+        np.invert(sel, out=sel)
+    # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j.
+    t = np.unpackbits(sel.view(np.uint8), bitorder="little").view(np.bool_).nonzero()[0]
+    cols = idx[t >> 5]
+    cols <<= 5
+    cols |= t & 31
+    return cols
 
 
 def _apply_row_cpu(
@@ -219,10 +221,11 @@ def _apply_row_cpu(
       at the dropped columns (fewest numpy calls; branching per element costs
       nothing at this width);
     * a row whose whole mask words are mostly ``0`` (nothing allowed, as a
-      grammar gives between structural tokens) or mostly ``-1`` (everything
-      allowed): only the other words' 32-column groups are gathered and masked
-      branch-free; the rest is filled with ``NINF`` (a write-only pass, cheaper
-      than a copy) or left alone;
+      grammar gives between structural tokens): the allowed columns, found
+      from the other words alone, are read, the row is filled with ``NINF``
+      (a write-only pass, cheaper than a copy) and they are put back; a row
+      whose words are mostly ``-1`` (everything allowed): ``NINF`` is stored
+      at the dropped columns only;
     * otherwise branch-free, ``len(keep)`` columns at a time (a multiple of 32,
       so every block starts on a mask word).
     """
@@ -240,19 +243,18 @@ def _apply_row_cpu(
     done = 0
     if nw >= _SPARSE_MIN_WORDS:
         w = words[:nw]
-        groups = x[: 32 * nw].reshape(nw, 32)
+        body = x[: 32 * nw]
         some = w != 0  # words allowing something (nonzero of a bool array is several times faster)
         if np.count_nonzero(some) <= nw // _SPARSE_SHARE:
-            idx = some.nonzero()[0]
-            g = _masked_groups(groups, w, idx, keep, ninf)
-            groups.fill(ninf)
-            groups[idx] = g
+            cols = _set_columns(w, some.nonzero()[0], False)  # the allowed columns
+            kept = body[cols]
+            body.fill(ninf)
+            body[cols] = kept
             done = 32 * nw
         else:
             some = w != -1  # words dropping something
             if np.count_nonzero(some) <= nw // _SPARSE_SHARE:
-                idx = some.nonzero()[0]
-                groups[idx] = _masked_groups(groups, w, idx, keep, ninf)
+                body[_set_columns(w, some.nonzero()[0], True)] = ninf  # the dropped columns
                 done = 32 * nw
     step = keep.shape[0]
     for c0 in range(done, width, step):
