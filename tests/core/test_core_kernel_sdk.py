@@ -164,20 +164,15 @@ class _Outside(sdk.BackendBase):
     def probe(self, device: torch.device) -> str | None:
         return None
 
-    def launcher(self, device: torch.device) -> sdk.Launcher:
-        def launch(
-            logits: torch.Tensor,
-            bitmask: torch.Tensor,
-            request: torch.Tensor,
-            position: torch.Tensor,
-            cu_logits: torch.Tensor,
-            vocab_size: int,
-            mask_tail: bool,
-        ) -> None:
-            self.calls.append((vocab_size, mask_tail))
-            logits[int(cu_logits[int(request[0])]) + int(position[0]), vocab_size:] = float("-inf")
+    def mask(self, logits: torch.Tensor, row: int, vocab_size: int, mask_tail: bool) -> None:
+        self.calls.append((vocab_size, mask_tail))
+        logits[row, vocab_size:] = float("-inf")
 
-        return launch
+    def launcher(self, device: torch.device) -> sdk.Launcher:
+        # Seven named parameters, called positionally, as the contract says.
+        return lambda logits, bitmask, request, position, cu_logits, vocab_size, mask_tail: self.mask(
+            logits, int(cu_logits[int(request[0])]) + int(position[0]), vocab_size, mask_tail
+        )
 
 
 def test_an_outside_seven_argument_launcher_runs_through_the_base_and_a_custom_op() -> None:
