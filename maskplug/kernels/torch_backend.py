@@ -1,13 +1,18 @@
 """The built-in ``torch`` kernel backend: runs wherever torch does.
 
 CPU path: the live rows are known on the host, so only they are touched, a
-block of at most ``_CHUNK_ELEMS`` logits at a time so every temporary stays in
-cache. Each block expands its mask bytes into an integer keep-mask of the
-logits' width (``-1`` keep, ``0`` drop), then rewrites the logits bit pattern
-branch-free: ``x = ((x ^ NINF) & keep) ^ NINF`` leaves kept values
-bit-identical (NaN included) and turns dropped ones into exactly ``-inf``.
-``masked_fill`` with a random boolean mask is several times slower here because
-it branches per element; nothing of the full logits shape is ever materialised.
+block of at most ``_CHUNK_ELEMS`` logits (a wide row) at a time. Each block
+expands its mask bytes into an integer keep-mask of the logits' width (``-1``
+keep, ``0`` drop), then rewrites the logits bit pattern branch-free:
+``x = ((x ^ NINF) & keep) ^ NINF`` leaves kept values bit-identical (NaN
+included) and turns dropped ones into exactly ``-inf``. ``masked_fill`` with a
+random boolean mask is several times slower here because it branches per
+element; nothing of the full logits shape is ever materialised. Two kinds of
+row skip that work: a row whose mask words are mostly ``0`` (a grammar between
+structural tokens) keeps aside its few allowed values, fills the row with
+``-inf`` and puts them back, and a row whose words are mostly ``-1`` only
+stores ``-inf`` at its dropped columns; a narrow row (one decode step of a
+small vocabulary) takes one boolean store, the fewest numpy calls.
 
 The CPU path runs on the calling thread only, by design: its element-wise work
 is done by numpy on views of the logits' memory, never by torch's intra-op
