@@ -168,6 +168,25 @@ def _serve(conn: Connection, compile_fn: Callable[[GrammarSpec], Any]) -> None:
             conn.send(("err", (f"spec.source: {type(exc).__name__}: {exc}", (type(exc).__name__, str(exc)))))
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _death_signal() -> Callable[[], None] | None:
+    """A function that makes the calling process receive SIGKILL when its parent ends (Linux; None elsewhere).
+
+    Loaded once in the start-up process, so a fork pays one C call for it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _zygote_main(ctl_fd: int) -> None:
     """The start-up process: build the compile function once, then fork a compile server per request for one.
 
@@ -176,6 +195,15 @@ def _zygote_main(ctl_fd: int) -> None:
     limit is replaced by another fork instead of a fresh interpreter. This
     process never compiles, so nothing it runs can exceed a limit. Servers are
     reaped here as they end (``SIGCHLD`` ignored).
+
+    Nothing outlives the caller: this process ends when the caller's end of
+    the control connection closes (the caller exited, was killed, or shut the
+    worker down), and every server it forked is killed by the kernel when this
+    process ends (Linux: ``PR_SET_PDEATHSIG``), mid-compile included: a
+    caller killed while a schema compiles no longer leaves the compile
+    running. Idle for :data:`IDLE_EXIT_S` without a fork request, it ends only
+    once no server it forked is alive (a server reused for many compiles
+    needs no fork).
     """
     ctl = socket.socket(fileno=ctl_fd)
     conn = Connection(os.dup(ctl_fd))
@@ -186,10 +214,16 @@ def _zygote_main(ctl_fd: int) -> None:
         conn.send(("fail", f"{type(exc).__name__}: {exc}"))
         return
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    die_with_parent = _death_signal()
+    me = os.getpid()
+    servers: list[int] = []
     conn.send(("ready", None))
     while True:
         try:
             if not conn.poll(IDLE_EXIT_S):
+                servers = [pid for pid in servers if not _gone(pid)]
+                if servers:
+                    continue
                 return
             msg = conn.recv()
         except (EOFError, OSError):
@@ -201,6 +235,10 @@ def _zygote_main(ctl_fd: int) -> None:
         if pid == 0:  # the compile server
             code = 0
             try:
+                if die_with_parent is not None:
+                    die_with_parent()
+                if os.getppid() != me:
+                    return  # the start-up process ended before the death signal was set (finally: exit)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 conn.close()
                 ctl.close()
@@ -211,6 +249,7 @@ def _zygote_main(ctl_fd: int) -> None:
             finally:
                 os._exit(code)
         theirs.close()
+        servers = [p for p in servers if not _gone(p)] + [pid]
         socket.send_fds(ctl, [struct.pack("<q", pid)], [mine.fileno()])
         mine.close()
 
@@ -556,5 +595,8 @@ class _StillStarting(Exception):
         self.elapsed = elapsed
 
 
-if __name__ == "__main__":  # the start-up process (see CompileWorker._start_zygote)
+if __name__ == "__main__":  # the start-up process (see CompileWorker._launch_zygote)
     _zygote_main(int(sys.argv[1]))
+    # Nothing to flush (no output), and the interpreter's tear-down of an imported engine can take
+    # seconds on a busy machine, all the while its compile servers (killed only when it ends) run on.
+    os._exit(0)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -229,3 +231,44 @@ def test_a_start_up_past_the_start_up_limit_is_ended(monkeypatch: pytest.MonkeyP
         w.run(GrammarSpec("regex", "a"), 5.0)
     assert w._proc is None  # ended: the next compile starts a new one
     w.close()
+
+
+# -- nothing outlives the caller ----------------------------------------------------------------
+
+_CLIENT = """
+import sys, threading, time
+sys.path.insert(0, {here!r})
+from test_adversarial_limits import _spinning
+from maskplug.grammar import GrammarSpec
+from maskplug.grammar.limits import CompileWorker
+
+w = CompileWorker("spinning", _spinning, ())
+w.start()
+threading.Thread(target=w.run, args=(GrammarSpec("regex", "a"), 1000.0), daemon=True).start()
+while w.pid is None:
+    time.sleep(0.01)
+print(w.pid, w._proc.pid, flush=True)
+time.sleep(1000)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the death signal is Linux's PR_SET_PDEATHSIG")
+def test_a_caller_killed_mid_compile_leaves_nothing_running() -> None:
+    """A caller killed while a compile runs (limit 1000 s) takes the compile server and start-up process with it."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    client = subprocess.Popen([sys.executable, "-c", _CLIENT.format(here=here)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout is not None
+        server, zygote = (int(x) for x in client.stdout.readline().split())
+        deadline = time.monotonic() + 30.0
+        while (cpu_seconds(server) or 0.0) < 0.2:  # the server is computing
+            assert time.monotonic() < deadline and not _gone(server)
+            time.sleep(0.05)
+    finally:
+        client.kill()
+        client.wait()
+    deadline = time.monotonic() + 5.0 + SLACK
+    while not (_gone(server) and _gone(zygote)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(zygote), "the start-up process outlived its caller"
+    assert _gone(server), "the compile server kept compiling after its caller was killed"
