@@ -46,13 +46,32 @@ def backend_status(device: torch.device | str | None = None) -> dict[str, str | 
 
 # The last resolutions: (registry, name, device, MASKPLUG_KERNEL_BACKEND) -> backend. Only backends built on
 # BackendBase are kept: their availability is asked once per device and cannot change within a process.
-_resolved: dict[tuple[int, str, torch.device, str], tuple[Any, KernelBackend]] = {}
+_resolved: dict[tuple[int, str, torch.device, object], tuple[Any, KernelBackend]] = {}
+
+
+def _env_switch() -> object:
+    """The raw value of ``MASKPLUG_KERNEL_BACKEND`` in ``os.environ`` (``None`` when unset), read afresh on every call.
+
+    Only compared with itself, as part of a cache key. ``os.environ.get``
+    encodes the name and decodes the value on every call, which costs most of a
+    cached resolution; the mapping it reads from is looked up directly when
+    ``os.environ`` is the standard one (``os.environ[...] = ...`` and
+    ``monkeypatch.setenv`` update that mapping too).
+    """
+    env = os.environ
+    data = getattr(env, "_data", None) if type(env) is os._Environ else None
+    if type(data) is dict:
+        return data.get(_ENV_KEY)
+    return env.get(KERNEL_BACKEND_ENV)
+
+
+_ENV_KEY = os.environ.encodekey(KERNEL_BACKEND_ENV) if type(os.environ) is os._Environ else KERNEL_BACKEND_ENV
 
 
 def _resolve_cached(backend: str, device: torch.device) -> KernelBackend:
     """:func:`resolve_backend`, remembered per registry, name, device and environment switch."""
     reg = get_registry()
-    key = (id(reg), backend, device, os.environ.get(KERNEL_BACKEND_ENV, ""))
+    key = (id(reg), backend, device, _env_switch())
     hit = _resolved.get(key)
     if hit is not None and hit[0] is reg:
         return hit[1]
@@ -305,6 +324,8 @@ def apply_grammar_bitmask(
     )
 
 
+_CPU = torch.device("cpu")  # comparing devices is cheaper than reading a device's type
+
 #: Checked mappings and offsets up to this many entries are read as Python lists (one ``tolist`` each)
 #: rather than by numpy reductions.
 _LIST_ROWS = 64
@@ -321,7 +342,7 @@ def _checked_rows(
     Python lists. Anything else returns ``None``: the full checks then run (and
     word any error).
     """
-    if type(mapping) is not RowMapping or device.type != "cpu" or rows > _LIST_ROWS:
+    if type(mapping) is not RowMapping or (device != _CPU and device.type != "cpu") or rows > _LIST_ROWS:
         return None
     needs = mapping._trusted_needs()
     if needs is None or mapping.request.shape[0] != rows:
@@ -332,7 +353,12 @@ def _checked_rows(
     if m < 1 or m - 1 < needs or m > _LIST_ROWS:
         return None
     cu = cu_logits.tolist()
-    if cu[0] != 0 or cu[-1] > num_logits or cu[-1] > INT32_MAX or any(map(int.__gt__, cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] > num_logits or cu[-1] > INT32_MAX:
+        return None
+    if m == 2:  # one request (the common case): one comparison instead of a map over the pairs
+        if cu[1] < 0:
+            return None
+    elif any(map(int.__gt__, cu, cu[1:])):
         return None
     req, pos = mapping._lists()
     return req, pos, cu

@@ -67,6 +67,32 @@ _CPU_BITS: dict[torch.dtype, tuple[torch.dtype, np.signedinteger[Any]]] = {
 """Per logits dtype: the integer view and its ``-inf`` bit pattern as a numpy scalar (looked up once per call)."""
 _NO_KEEP = np.empty(0, dtype=np.int32)  # rows of at most _SMALL_ROW columns need no keep-mask scratch
 
+_VIEW_MAX_BYTES = 1 << 16  # storages up to this size may have their integer view remembered
+_VIEW_SLOTS = 16
+_views: dict[tuple[int, torch.Size, tuple[int, ...], torch.dtype], npt.NDArray[Any]] = {}
+"""Integer numpy views of small CPU tensors, by (address, shape, strides, dtype).
+
+Making a tensor's numpy view costs more than masking a narrow row. A view is
+reused only for a tensor with the same first-element address, shape, strides
+and dtype, which addresses exactly the same bytes; the remembered view holds
+the storage it was made over, so that memory is never freed and reused under
+it. Only small storages are kept, and few of them.
+"""
+
+
+def _int_view(t: torch.Tensor, ibits: torch.dtype) -> npt.NDArray[Any]:
+    """A numpy view of CPU tensor ``t``'s memory as ``ibits`` (same element size), writes going to ``t``."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    view = _views.get(key)
+    if view is None:
+        src = t.detach() if t.requires_grad else t
+        view = (src if src.dtype == ibits else src.view(ibits)).numpy()
+        if 0 < src.untyped_storage().nbytes() <= _VIEW_MAX_BYTES:
+            if len(_views) >= _VIEW_SLOTS:
+                _views.clear()
+            _views[key] = view
+    return view
+
 
 class _Scratch(threading.local):
     """Keep-mask scratch per thread and integer dtype, reused across calls.
@@ -241,8 +267,12 @@ def _apply_row_cpu(
     if width <= _SMALL_ROW:
         if n:
             # Little-endian words: byte k holds tokens 8k..8k+7, bit j of it token 8k+j (a table row of 8).
-            drop = _DROP_BITS.take(words[: (n + 31) // 32].view(np.uint8)).view(np.bool_)
-            x[:n][drop[:n]] = ninf
+            nw = (n + 31) // 32
+            drop = _DROP_BITS.take((words if words.shape[0] == nw else words[:nw]).view(np.uint8)).view(np.bool_)
+            if n == width == drop.shape[0]:  # the mask decides exactly the row's columns: no slicing
+                x[drop] = ninf
+            else:
+                x[:n][drop[:n]] = ninf
         if mask_tail and n < width:
             x[n:] = ninf
         return
@@ -303,8 +333,8 @@ def mask_rows_cpu(
     if not live:
         return
     ibits, ninf = _CPU_BITS[logits.dtype]
-    xi = (logits.detach() if logits.requires_grad else logits).view(ibits).numpy()
-    words = bitmask.numpy()
+    xi = _int_view(logits, ibits)
+    words = _int_view(bitmask, torch.int32)
     width = xi.shape[1]
     keep = _NO_KEEP if width <= _SMALL_ROW else _scratch(ninf.dtype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
     for d, i in live:
