@@ -39,14 +39,18 @@ def expect(logits: torch.Tensor, bitmask: torch.Tensor, mapping: mp.RowMapping, 
     return want
 
 
+def applies_as_reference(logits: torch.Tensor, bitmask: torch.Tensor, mapping: mp.RowMapping, cu: np.ndarray) -> None:
+    want = expect(logits, bitmask, mapping, cu)
+    mp.apply_grammar_bitmask(logits, bitmask, mapping, cu)
+    assert torch.equal(logits.view(torch.int32), want.view(torch.int32))
+
+
 def test_same_shape_different_tensors_each_get_their_own_mask() -> None:
     mapping, cu = one_request()
     for seed in range(6):
-        logits = torch.randn(1, 32, generator=torch.Generator().manual_seed(seed))
-        bitmask = masks(seed)
-        want = expect(logits, bitmask, mapping, cu)
-        mp.apply_grammar_bitmask(logits, bitmask, mapping, cu)
-        assert torch.equal(logits.view(torch.int32), want.view(torch.int32))
+        applies_as_reference(
+            torch.randn(1, 32, generator=torch.Generator().manual_seed(seed)), masks(seed), mapping, cu
+        )
 
 
 def test_a_tensor_refilled_in_place_is_masked_with_its_new_values() -> None:
@@ -56,9 +60,7 @@ def test_a_tensor_refilled_in_place_is_masked_with_its_new_values() -> None:
     for seed in range(4):
         logits.copy_(torch.randn(1, 32, generator=torch.Generator().manual_seed(seed)))
         bitmask.copy_(masks(seed + 10))
-        want = expect(logits, bitmask, mapping, cu)
-        mp.apply_grammar_bitmask(logits, bitmask, mapping, cu)
-        assert torch.equal(logits.view(torch.int32), want.view(torch.int32))
+        applies_as_reference(logits, bitmask, mapping, cu)
 
 
 def test_memory_swapped_under_the_same_tensor_object_is_the_memory_written() -> None:
