@@ -23,9 +23,10 @@ something unenforced, the one leaving out the fewest constraints serves it,
 and its warnings stay on the grammar (the coverage gaps are in
 :class:`AutoChoice` ``tried``).
 
-The compile limit holds for auto as a whole: ``compile_limit_s`` (default
-:data:`maskplug.grammar.limits.DEFAULT_COMPILE_LIMIT_S`, or the spec's own)
-bounds all attempts together; each candidate gets what is left (or its own
+Compile limits: by default (``compile_limit_s=None``) each candidate compiles
+under its own provider's limit, so auto stops a compile exactly where the
+provider serving it alone would. A ``compile_limit_s`` (or the spec's own)
+bounds all attempts together: each candidate gets what is left (or its own
 limit, when smaller), and when nothing is left the candidates not yet tried are
 passed over. As for each provider, the budget counts the compile servers' CPU
 seconds (wall-clock for a compile in this process).
@@ -55,7 +56,7 @@ from ..errors import GrammarError
 from ..hookspecs import hookimpl
 from .bases import ProviderBase
 from .checks import schema_dict
-from .limits import DEFAULT_COMPILE_LIMIT_S, check_limit, effective_limit, wall_backstop
+from .limits import check_limit, effective_limit, wall_backstop
 from .spec import SPEC_KINDS, GrammarSpec, Vocab
 
 __all__ = [
@@ -100,7 +101,7 @@ class AutoProvider(ProviderBase[Any]):
         self,
         vocab: Vocab,
         candidates: list[str] | None = None,
-        compile_limit_s: float | None = DEFAULT_COMPILE_LIMIT_S,
+        compile_limit_s: float | None = None,
     ) -> None:
         super().__init__(vocab)
         #: Seconds all attempts at one spec may take together (None: each candidate's own limit only).

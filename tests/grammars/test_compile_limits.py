@@ -10,11 +10,12 @@ import time
 import pytest
 from grammar_testkit import SLOW_OUTLINES as SLOW
 from maskplug_llguidance import LLGuidanceProvider
-from maskplug_outlines import OutlinesProvider
-from maskplug_xgrammar import XGrammarProvider
+from maskplug_outlines import OUTLINES_COMPILE_LIMIT_S, OutlinesProvider
+from maskplug_xgrammar import XGRAMMAR_COMPILE_LIMIT_S, XGrammarProvider
 
 from maskplug.errors import GrammarError
 from maskplug.grammar import GrammarSpec
+from maskplug.grammar.auto import AutoProvider
 from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S, CompileWorker
 from maskplug.grammar.vocabs import mistral_sentencepiece, mistral_tekken
 
@@ -31,10 +32,16 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_default_limit_is_a_few_seconds() -> None:
+def test_each_provider_has_its_default_limit() -> None:
+    """The SDK's default is a few seconds; xgrammar and outlines-core, whose real compiles take longer, set their own."""
+    v = mistral_sentencepiece()
     assert 1.0 <= DEFAULT_COMPILE_LIMIT_S <= 10.0
-    for cls in (XGrammarProvider, LLGuidanceProvider, OutlinesProvider):
-        assert cls(mistral_sentencepiece()).compile_limit_s == DEFAULT_COMPILE_LIMIT_S
+    assert LLGuidanceProvider(v).compile_limit_s == DEFAULT_COMPILE_LIMIT_S
+    assert XGrammarProvider(v).compile_limit_s == XGRAMMAR_COMPILE_LIMIT_S
+    assert OutlinesProvider(v).compile_limit_s == OUTLINES_COMPILE_LIMIT_S
+    assert DEFAULT_COMPILE_LIMIT_S < OUTLINES_COMPILE_LIMIT_S < XGRAMMAR_COMPILE_LIMIT_S
+    # auto: each candidate under its own provider's limit unless told otherwise.
+    assert AutoProvider(v).compile_limit_s is None
 
 
 def test_compile_past_its_limit_fails_on_time_and_the_worker_is_killed() -> None:

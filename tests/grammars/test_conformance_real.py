@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from maskplug_outlines import OUTLINES_COMPILE_LIMIT_S
 
 from maskplug.conformance import SUBSET_PATH
 from maskplug.errors import GrammarError
 from maskplug.grammar import GrammarSpec, Vocab, grammar_provider
-from maskplug.grammar.limits import DEFAULT_COMPILE_LIMIT_S
 from maskplug.grammar.vocabs import (
     load_tokenizer_json,
     mistral_sentencepiece,
@@ -240,7 +240,7 @@ def test_a_compile_stopped_at_its_limit_is_an_error_on_both_paths() -> None:
     assert list(theirs.errors) == [cases[0].id]
     assert mine.verdicts == {} and theirs.verdicts == {}
     # The limit was the calls' own: the shared provider keeps its default.
-    assert shared.compile_limit_s == DEFAULT_COMPILE_LIMIT_S
+    assert shared.compile_limit_s == OUTLINES_COMPILE_LIMIT_S
 
 
 def test_conformance_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:

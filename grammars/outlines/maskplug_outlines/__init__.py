@@ -7,6 +7,6 @@ through the ``maskplug`` entry-point group; use it with
 
 from __future__ import annotations
 
-from .provider import OutlinesBatchOps, OutlinesGrammar, OutlinesMatcher, OutlinesProvider
+from .provider import OUTLINES_COMPILE_LIMIT_S, OutlinesBatchOps, OutlinesGrammar, OutlinesMatcher, OutlinesProvider
 
-__all__ = ["OutlinesBatchOps", "OutlinesGrammar", "OutlinesMatcher", "OutlinesProvider"]
+__all__ = ["OUTLINES_COMPILE_LIMIT_S", "OutlinesBatchOps", "OutlinesGrammar", "OutlinesMatcher", "OutlinesProvider"]

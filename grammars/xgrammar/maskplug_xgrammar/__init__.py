@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .plugin import maskplug_register_grammar_providers
 from .provider import (
+    XGRAMMAR_COMPILE_LIMIT_S,
     XGrammarBatchOps,
     XGrammarCompiled,
     XGrammarGrammar,
@@ -17,6 +18,7 @@ from .provider import (
 )
 
 __all__ = [
+    "XGRAMMAR_COMPILE_LIMIT_S",
     "XGrammarBatchOps",
     "XGrammarCompiled",
     "XGrammarGrammar",
