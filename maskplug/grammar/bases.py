@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from .limits import BuildFn, CompileWorker
 
 __all__ = [
+    "DEFAULT_CACHE_ENTRIES",
     "BatchOpsBase",
     "ChainOpsBase",
     "Chains",
@@ -41,23 +43,41 @@ __all__ = [
 ]
 
 
+DEFAULT_CACHE_ENTRIES = 256
+"""Compiled grammars a provider keeps by default (least recently used dropped first). A grammar with
+its token masks over a 131k vocabulary can take megabytes (xgrammar: about 14 MB on average over
+JSONSchemaBench's schemas), and a server whose requests each bring their own schema compiles a new
+one per request: an unbounded cache grew past 10 GB within 700 schemas."""
+
+
 class CompileCache:
-    """A thread-safe cache of compiled grammars, keyed by :meth:`GrammarSpec.key`.
+    """A thread-safe cache of compiled grammars, keyed by :meth:`GrammarSpec.key`, at most ``max_entries`` of them.
 
     Only successes are stored: a spec that fails to compile raises again on
     the next attempt (and is recompiled then), so a transient failure never
     turns into a cached one. Concurrent compiles of the same key are
-    serialised so the work is done once.
+    serialised so the work is done once. Past ``max_entries`` (``None``: no
+    bound) the least recently used grammar is dropped: matchers made from it
+    keep working (they hold their grammar), and the next request for its spec
+    compiles it again.
     """
 
-    def __init__(self) -> None:
-        self._items: dict[str, Any] = {}
+    def __init__(self, max_entries: int | None = DEFAULT_CACHE_ENTRIES) -> None:
+        if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)):
+            raise GrammarError(f"max_entries: expected an int >= 1 or None, got {max_entries!r}")
+        if max_entries is not None and max_entries < 1:
+            raise GrammarError(f"max_entries: expected an int >= 1 or None, got {max_entries!r}")
+        self.max_entries = max_entries
+        """The most grammars kept (None: no bound)."""
+        self._items: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}
         self.hits = 0
         """Lookups answered from the cache."""
         self.misses = 0
         """Lookups that compiled (failed compiles included)."""
+        self.evicted = 0
+        """Grammars dropped to stay within ``max_entries``."""
 
     def get_or_compile(self, spec: GrammarSpec, compile_fn: Callable[[GrammarSpec], Any]) -> Any:
         """The cached value for ``spec``, compiling it with ``compile_fn`` on a miss."""
@@ -65,18 +85,24 @@ class CompileCache:
         with self._lock:
             if key in self._items:
                 self.hits += 1
+                self._items.move_to_end(key)
                 return self._items[key]
             klock = self._key_locks.setdefault(key, threading.Lock())
         with klock:
             with self._lock:
                 if key in self._items:
                     self.hits += 1
+                    self._items.move_to_end(key)
                     return self._items[key]
                 self.misses += 1
             value = compile_fn(spec)  # raises on failure: nothing is stored
             with self._lock:
                 self._items[key] = value
                 self._key_locks.pop(key, None)
+                bound = self.max_entries
+                while bound is not None and len(self._items) > bound:
+                    self._items.popitem(last=False)
+                    self.evicted += 1
             return value
 
     def __len__(self) -> int:

@@ -10,7 +10,8 @@ How the pieces fit:
 * :class:`ProviderBase`: subclass it, set ``name`` and ``kinds`` and
   implement ``_compile(spec)``, which returns an object with ``spec`` and
   ``matcher()`` (:class:`CompiledGrammar`) or raises :class:`GrammarError`
-  with the engine's reason; results are kept in a :class:`CompileCache`.
+  with the engine's reason; results are kept in a :class:`CompileCache`
+  (the :data:`DEFAULT_CACHE_ENTRIES` most recently used ones).
   A provider whose compiles stop at a limit calls ``_use_worker`` in its
   ``__init__`` and, in ``_compile``, compiles in the calling process when
   ``_limit_for(spec)`` is None, else with ``_run_in_worker(spec, limit)``.
@@ -50,7 +51,16 @@ from ..errors import GrammarError
 from . import limits as _limits
 from . import registry as _registry
 from . import spec as _spec
-from .bases import BatchOpsBase, ChainOpsBase, Chains, CompileCache, FailedMatcher, MatcherBase, ProviderBase
+from .bases import (
+    DEFAULT_CACHE_ENTRIES,
+    BatchOpsBase,
+    ChainOpsBase,
+    Chains,
+    CompileCache,
+    FailedMatcher,
+    MatcherBase,
+    ProviderBase,
+)
 from .checks import brief_error, check_bitmask, check_chain_args, check_choice, check_token, schema_dict, schema_text
 from .limits import CompileWorker, check_limit, effective_limit
 from .pools import shared_pool, spread_tasks
@@ -110,6 +120,7 @@ def resolve_ref(root: Any, ref: str) -> Any:
 
 __all__ = [
     "AUTO",
+    "DEFAULT_CACHE_ENTRIES",
     "DEFAULT_COMPILE_LIMIT_S",
     "DEFAULT_MAX_WHITESPACE",
     "SPEC_KINDS",
