@@ -95,8 +95,8 @@ XGRAMMAR_COMPILE_LIMIT_S = 600.0
 """xgrammar's default compile limit, in CPU seconds of its compile server. xgrammar precomputes token
 masks for every grammar state at compile time, so a few real schemas take long over a large
 vocabulary: of JSONSchemaBench's 1,003 sample schemas over tekken's 131k tokens, the slowest
-(JsonSchemaStore aerleon-definitions) took 177-305 CPU s here, idle and loaded, and chrome-manifest
-11 CPU s, both past :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`. Engines compile off the step path, so a limit
+(JsonSchemaStore aerleon-definitions) took 177-305 CPU s here, idle and loaded, dbt_project 98 s and
+six more 11-21 s, all past :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S` (median 0.4 s). Engines compile off the step path, so a limit
 there only has to stop what is stuck; this one leaves about twice the slowest real compile."""
 
 logger = logging.getLogger("maskplug.xgrammar")
