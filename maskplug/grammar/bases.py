@@ -63,9 +63,9 @@ class CompileCache:
     """
 
     def __init__(self, max_entries: int | None = DEFAULT_CACHE_ENTRIES) -> None:
-        if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, int)):
-            raise GrammarError(f"max_entries: expected an int >= 1 or None, got {max_entries!r}")
-        if max_entries is not None and max_entries < 1:
+        if max_entries is not None and (
+            isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1
+        ):
             raise GrammarError(f"max_entries: expected an int >= 1 or None, got {max_entries!r}")
         self.max_entries = max_entries
         """The most grammars kept (None: no bound)."""
