@@ -100,6 +100,7 @@ from maskplug import (
 from maskplug.engines.sdk import VerifyAllScheduler, parse_scheduler_spec, wraps
 
 from . import confidences, metrics, patches
+from .calibrate import check_overhead, with_overheads
 from .confidences import CONFIDENCES_ATTR, DraftConfidences
 from .host import draft_counts
 from .metrics import StepMetrics
@@ -185,7 +186,9 @@ def load_cost_model(
 
         {"verify": [[num_tokens, ms], ...],     # required: forward-pass time per scheduled token count
          "draft": [[num_requests, ms], ...],    # optional: drafting time per request count (default: free)
-         "graph_limit": 0}                      # optional: padded (captured-graph) sizes up to this count
+         "graph_limit": 0,                      # optional: padded (captured-graph) sizes up to this count
+         "step_overhead_ms": 0.0,               # optional: whole-step cost beyond the forward, per step
+         "token_overhead_ms": 0.0}              # optional: and per token (python -m maskplug_vllm.calibrate)
 
     Other keys (e.g. what was measured, on which machine) are ignored. The
     curves go to :meth:`maskplug.CostModel.from_curves`, which makes them
@@ -215,6 +218,9 @@ def load_cost_model(
     if max(ms for _, ms in verify) <= 0:
         raise BudgetError(f"{COST_ENV} ({p}): 'verify': expected some positive time, got {verify}")
     try:
+        step_ms = check_overhead("step_overhead_ms", data.get("step_overhead_ms", 0.0))
+        token_ms = check_overhead("token_overhead_ms", data.get("token_overhead_ms", 0.0))
+        draft, verify = with_overheads(draft, verify, step_ms, token_ms)
         return CostModel.from_curves(draft, verify, max_reqs, max_tokens, graph_limit=graph_limit)
     except BudgetError as exc:
         raise BudgetError(f"{COST_ENV} ({p}): {exc}") from exc

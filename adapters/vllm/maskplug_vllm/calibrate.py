@@ -10,7 +10,8 @@ vLLM engine with a short profile and writes them as a JSON cost file::
     python -m maskplug_vllm.calibrate --model MODEL --out cost.json
 
 The file holds ``{"verify": [[num_tokens, ms], ...], "draft": [[num_reqs, ms], ...],
-"model": ..., "device": ..., "max_reqs": ..., "max_tokens": ..., ...}``; the
+"model": ..., "device": ..., "max_reqs": ..., "max_tokens": ...,
+"step_overhead_ms": ..., "token_overhead_ms": ..., ...}``; the
 engine reads it through ``MASKPLUG_VLLM_COST=cost.json``, and
 :meth:`CostProfile.cost_model` turns it into the :class:`maskplug.CostModel`
 the schedulers take (:meth:`maskplug.CostModel.from_curves`).
@@ -32,11 +33,27 @@ is then capped by it (:func:`lower_envelope`); the raw figures are kept in
 the file. The n-gram drafter is timed on synthetic token histories with
 vLLM's own proposer; other drafters are not measured (their draft curve is
 zero and ``draft_measured`` says so).
+
+Whole steps (on by default with a drafter, ``--no-whole-steps`` to skip):
+the forward pass is not all a speculative step costs. The engine also
+schedules, samples, runs the rejection sampler, fills and applies grammar
+rows and updates its requests, and on a small model or a CPU that is
+milliseconds per step, growing with the tokens verified. So after the
+forward profile the command runs real decode steps of the same engine
+(closed loops of n-gram-friendly prompts at several batch sizes, every
+draft verified), times every step on the same clock, subtracts the profiled
+forward and draft costs, and fits what is left as ``step_overhead_ms +
+token_overhead_ms * num_tokens`` (least squares, both terms kept ``>= 0``).
+:meth:`CostProfile.cost_model` adds the two to its curves, so the schedulers
+price a budget by what the whole step costs. The fit and the residual spread
+are in the file (``whole_steps``). This needs the engine core in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the command sets).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -56,13 +73,18 @@ from maskplug import BudgetError, CostModel
 __all__ = [
     "COST_FILE_FORMAT",
     "CostProfile",
+    "StepSample",
+    "check_overhead",
     "default_request_counts",
     "default_token_counts",
+    "fit_step_overhead",
     "lower_envelope",
     "main",
+    "measure_whole_steps",
     "profile_llm",
     "profile_runner",
     "read_cost_file",
+    "with_overheads",
 ]
 
 COST_FILE_FORMAT = "maskplug-cost/1"
@@ -94,6 +116,20 @@ def _pairs(name: str, value: Any) -> list[tuple[int, float]]:
     return sorted(out)
 
 
+def check_overhead(name: str, value: Any) -> float:
+    """A whole-step overhead of a cost file: a finite number of ms ``>= 0``, else :class:`maskplug.BudgetError`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise BudgetError(f"{name}: expected a finite number of ms >= 0, got {value!r}")
+    return float(value)
+
+
+def with_overheads(
+    draft: Sequence[tuple[float, float]], verify: Sequence[tuple[float, float]], step_ms: float, token_ms: float
+) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The cost curves of a whole step: ``step_ms`` added to every drafter sample, ``token_ms * n`` to every verify sample."""
+    return [(n, ms + step_ms) for n, ms in draft], [(n, ms + token_ms * n) for n, ms in verify]
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BudgetError(f"{name}: expected an int >= 1, got {value!r}")
@@ -113,6 +149,10 @@ class CostProfile:
         max_reqs: the engine's most requests per step (``max_num_seqs``).
         max_tokens: the engine's most tokens per step (``max_num_batched_tokens``).
         graph_limit: the largest captured graph size (0: eager, no padding).
+        step_overhead_ms: what every step costs beyond the forward and the
+            drafter (scheduling, sampling, bookkeeping), from whole steps.
+        token_overhead_ms: what each token of a step costs beyond the
+            forward (its logits row's sampling, rejection and grammar work).
         meta: anything else recorded (vLLM version, dtype, drafter, repeats, date).
     """
 
@@ -124,6 +164,8 @@ class CostProfile:
     max_tokens: int
     graph_limit: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    step_overhead_ms: float = 0.0
+    token_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verify", tuple(_pairs("verify", [list(p) for p in self.verify])))
@@ -134,12 +176,21 @@ class CostProfile:
             raise BudgetError(f"graph_limit: expected an int >= 0, got {self.graph_limit!r}")
         if not all(ms > 0 for _, ms in self.verify):
             raise BudgetError(f"verify: expected positive times (a forward never costs nothing), got {self.verify}")
+        for name in ("step_overhead_ms", "token_overhead_ms"):
+            object.__setattr__(self, name, check_overhead(name, getattr(self, name)))
 
     def cost_model(self, max_reqs: int | None = None, max_tokens: int | None = None) -> CostModel:
-        """The :class:`maskplug.CostModel` of this profile (tabulated up to the engine's limits by default)."""
+        """The :class:`maskplug.CostModel` of this profile (tabulated up to the engine's limits by default).
+
+        The whole-step overheads are added to the curves: ``step_overhead_ms``
+        to every drafter sample (it is paid once per step, like the drafter),
+        ``token_overhead_ms * num_tokens`` to every verify sample (the curve is
+        linear between samples and past the last, so the added line is exact).
+        """
+        draft, verify = with_overheads(self.draft, self.verify, self.step_overhead_ms, self.token_overhead_ms)
         return CostModel.from_curves(
-            self.draft,
-            self.verify,
+            draft,
+            verify,
             max_reqs=self.max_reqs if max_reqs is None else max_reqs,
             max_tokens=self.max_tokens if max_tokens is None else max_tokens,
             graph_limit=self.graph_limit,
@@ -156,6 +207,8 @@ class CostProfile:
             "max_reqs": self.max_reqs,
             "max_tokens": self.max_tokens,
             "graph_limit": self.graph_limit,
+            "step_overhead_ms": round(self.step_overhead_ms, 6),
+            "token_overhead_ms": round(self.token_overhead_ms, 6),
             **self.meta,
         }
 
@@ -170,7 +223,18 @@ class CostProfile:
         missing = [k for k in ("verify", "draft", "max_reqs", "max_tokens") if k not in data]
         if missing:
             raise BudgetError(f"{source}: expected the keys verify, draft, max_reqs, max_tokens; missing {missing}")
-        known = {"format", "verify", "draft", "model", "device", "max_reqs", "max_tokens", "graph_limit"}
+        known = {
+            "format",
+            "verify",
+            "draft",
+            "model",
+            "device",
+            "max_reqs",
+            "max_tokens",
+            "graph_limit",
+            "step_overhead_ms",
+            "token_overhead_ms",
+        }
         try:
             return cls(
                 verify=tuple(_pairs(f"{source}: verify", data["verify"])),
@@ -181,6 +245,9 @@ class CostProfile:
                 max_tokens=data["max_tokens"],
                 graph_limit=data.get("graph_limit", 0),
                 meta={k: v for k, v in data.items() if k not in known},
+                # Files written before whole-step calibration price the forward alone.
+                step_overhead_ms=data.get("step_overhead_ms", 0.0),
+                token_overhead_ms=data.get("token_overhead_ms", 0.0),
             )
         except BudgetError as exc:
             msg = str(exc)
@@ -389,6 +456,122 @@ def profile_runner(
     )
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """One timed decode step of a running engine (:func:`measure_whole_steps`)."""
+
+    ms: float
+    num_reqs: int
+    num_tokens: int
+    num_drafts: int
+
+
+def _engine_scheduler(llm: Any) -> Any:
+    """The engine core's scheduler, when the engine core runs in this process."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    sched = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    if sched is None or not hasattr(sched, "schedule"):
+        raise BudgetError(
+            "whole steps: expected the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), "
+            f"got an engine core client of type {type(core).__name__}"
+        )
+    return sched
+
+
+def measure_whole_steps(
+    llm: Any,
+    batch_sizes: Sequence[int],
+    *,
+    max_tokens: int = 24,
+    prompt_len: int = 48,
+    clock: str = "wall",
+    seed: int = 0,
+) -> list[StepSample]:
+    """Time real decode steps of ``llm``'s engine, batch by batch; the engine must be idle.
+
+    For each batch size ``c``, ``c`` greedy requests (prompts of random token
+    ids that repeat, so an n-gram drafter finds continuations) run to
+    ``max_tokens`` output tokens, and every engine step is timed on
+    ``clock``. The scheduler's output of each step says how many requests,
+    tokens and drafts it held; only pure decode steps (every request one
+    sampled token plus its drafts, no prompt tokens) are kept.
+    """
+    from vllm import SamplingParams
+
+    if clock not in ("wall", "cpu"):
+        raise BudgetError(f"clock: expected 'wall' or 'cpu', got {clock!r}")
+    sizes = _check_counts("batch_sizes", batch_sizes, 1 << 20)
+    engine = llm.llm_engine
+    sched = _engine_scheduler(llm)
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    seen: list[tuple[int, int, int]] = []
+    original = sched.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        drafts = sum(len(v) for v in getattr(out, "scheduled_spec_decode_tokens", {}).values())
+        seen.append((len(out.num_scheduled_tokens), int(out.total_num_scheduled_tokens), drafts))
+        return out
+
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    samples: list[StepSample] = []
+    sched.schedule = schedule
+    try:
+        for rnd, c in enumerate(sizes):
+            for i in range(c):
+                unit = rng.integers(0, vocab, size=max(2, prompt_len // 4)).tolist()
+                ids = (unit * 4)[:prompt_len]
+                engine.add_request(f"maskplug-whole-{rnd}-{i}", {"prompt_token_ids": ids}, params)
+            while engine.has_unfinished_requests():
+                seen.clear()
+                t0 = now()
+                engine.step()
+                ms = (now() - t0) * 1e3
+                if len(seen) == 1:
+                    n, t, d = seen[0]
+                    if n and t == n + d:
+                        samples.append(StepSample(ms, n, t, d))
+    finally:
+        sched.schedule = original
+    return samples
+
+
+def fit_step_overhead(samples: Sequence[StepSample], cost: CostModel) -> dict[str, Any]:
+    """What the steps cost beyond ``cost``: ``step_ms + token_ms * num_tokens``, least squares, both ``>= 0``.
+
+    Returns ``{"step_overhead_ms", "token_overhead_ms", "steps", "residual_ms"}``
+    (``residual_ms``: the median absolute difference between a step's time and
+    the fitted whole-step cost). Needs at least two steps of different sizes
+    for the slope; with one size the slope is 0 and the constant is the mean.
+    """
+    if not samples:
+        raise BudgetError("samples: expected timed decode steps, got none")
+    t = np.array([s.num_tokens for s in samples], dtype=np.float64)
+    n = np.array([s.num_reqs for s in samples], dtype=np.int64)
+    ms = np.array([s.ms for s in samples], dtype=np.float64)
+    extra = (
+        ms
+        - np.asarray(cost.verify_ms(t.astype(np.int64)), dtype=np.float64)
+        - np.asarray(cost.draft_ms(n), dtype=np.float64)
+    )
+    a, c = float(np.mean(extra)), 0.0
+    if np.unique(t).size >= 2:
+        design = np.stack([np.ones_like(t), t], axis=1)
+        (a, c), *_ = np.linalg.lstsq(design, extra, rcond=None)
+        a, c = float(a), float(c)
+        # Keep both terms non-negative (the cost never falls with more tokens, and a
+        # step never costs less than its forward): refit the other term alone.
+        if c < 0:
+            a, c = float(np.mean(extra)), 0.0
+        elif a < 0:
+            a, c = 0.0, float(np.dot(t, extra) / np.dot(t, t))
+    a, c = max(a, 0.0), max(c, 0.0)
+    residual = float(np.median(np.abs(extra - (a + c * t))))
+    return {"step_overhead_ms": a, "token_overhead_ms": c, "steps": len(samples), "residual_ms": residual}
+
+
 def _vllm_version() -> str:
     from .patches import vllm_version
 
@@ -446,6 +629,18 @@ def _parser() -> argparse.ArgumentParser:
         help="wall-clock time (default) or the process's CPU time (a CPU engine on a shared machine)",
     )
     p.add_argument(
+        "--whole-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time real decode steps and fit what they cost beyond the forward (default: on with a drafter)",
+    )
+    p.add_argument(
+        "--step-batch-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=None,
+        help="batch sizes of the whole-step runs (default: 1, 4, 16 and the most requests, up to --max-num-seqs)",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -487,6 +682,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The engine profiled here must not read a cost file (possibly the one being written).
     os.environ.pop("MASKPLUG_VLLM_COST", None)
+    whole = args.num_speculative_tokens > 0 if args.whole_steps is None else args.whole_steps
+    if whole:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") not in ("0", "false", "False"):
+            raise SystemExit(
+                "--whole-steps: expected VLLM_ENABLE_V1_MULTIPROCESSING=0 (the steps are timed in this process), "
+                f"got {os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; unset it or pass --no-whole-steps"
+            )
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     llm = LLM(**llm_kwargs(args))
@@ -499,8 +702,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         statistic=args.statistic,
         clock=args.clock,
     )
+    if whole:
+        sizes = args.step_batch_sizes or sorted({min(c, args.max_num_seqs) for c in (1, 4, 16, args.max_num_seqs)})
+        print(f"timing whole decode steps at batch sizes {sizes} ...", flush=True)
+        samples = measure_whole_steps(llm, sizes, clock=args.clock)
+        fit = fit_step_overhead(samples, profile.cost_model())
+        profile = dataclasses.replace(
+            profile,
+            step_overhead_ms=fit["step_overhead_ms"],
+            token_overhead_ms=fit["token_overhead_ms"],
+            meta={
+                **profile.meta,
+                "whole_steps": {
+                    "batch_sizes": sizes,
+                    "steps": fit["steps"],
+                    "residual_ms": round(fit["residual_ms"], 6),
+                    "drafts_per_step": round(sum(s.num_drafts for s in samples) / len(samples), 3),
+                },
+            },
+        )
     out = profile.write(args.out)
     print(f"wrote {out}: {profile.model} on {profile.device}")
+    if whole:
+        print(
+            f"  whole steps: {profile.step_overhead_ms:.3f} ms per step + {profile.token_overhead_ms:.4f} ms per token "
+            f"beyond the forward ({profile.meta['whole_steps']['steps']} decode steps, median residual "
+            f"{profile.meta['whole_steps']['residual_ms']:.3f} ms)"
+        )
     for n, ms in profile.verify:
         print(f"  verify {n:6d} tokens  {ms:9.3f} ms")
     for n, ms in profile.draft:

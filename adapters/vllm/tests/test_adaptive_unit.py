@@ -310,6 +310,11 @@ def test_load_cost_model(tmp_path: Path) -> None:
     assert np.array_equal(cost.draft_ms(sizes), ref.draft_ms(sizes))
     f.write_text(json.dumps({"verify": [[1, 4.0], [8, 5.0]]}))
     assert adaptive.load_cost_model(f).draft_ms(10) == 0.0
+    # Whole-step overheads (python -m maskplug_vllm.calibrate): per step on the drafter's curve, per token on verify.
+    f.write_text(json.dumps({"verify": [[1, 4.0], [8, 5.0]], "step_overhead_ms": 0.5, "token_overhead_ms": 0.1}))
+    whole = adaptive.load_cost_model(f)
+    assert whole.draft_ms(10) == pytest.approx(0.5)
+    assert whole.verify_ms(8) == pytest.approx(5.8) and whole.verify_ms(1) == pytest.approx(4.1)
     for bad, needle in [
         ("{", "parse error"),
         (json.dumps([1, 2]), "JSON object"),
@@ -319,6 +324,8 @@ def test_load_cost_model(tmp_path: Path) -> None:
         (json.dumps({"verify": [[1, 2.0], [2, -1.0]]}), "non-negative"),
         (json.dumps({"verify": [[1, 0.0]]}), "positive time"),
         (json.dumps({"verify": [[1, 1.0]], "graph_limit": -2}), "graph_limit"),
+        (json.dumps({"verify": [[1, 1.0]], "step_overhead_ms": -1}), "step_overhead_ms: expected a finite number"),
+        (json.dumps({"verify": [[1, 1.0]], "token_overhead_ms": None}), "token_overhead_ms: expected a finite"),
     ]:
         f.write_text(bad)
         with pytest.raises(BudgetError, match=needle) as exc:

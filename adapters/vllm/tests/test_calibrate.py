@@ -88,6 +88,21 @@ def test_the_cost_file_is_written_and_parses(calibrated: tuple[Path, str]) -> No
     assert profile.to_json() == data
 
 
+def test_whole_steps_were_timed_and_fitted(calibrated: tuple[Path, str]) -> None:
+    """With a drafter the command also times real decode steps and records what they cost beyond the forward."""
+    path, stdout = calibrated
+    data = json.loads(path.read_text())
+    whole = data["whole_steps"]
+    assert whole["batch_sizes"] == [1, 4, 16]
+    # Every batch runs 24 output tokens: many decode steps, some of them with drafts.
+    assert whole["steps"] >= 20 and whole["drafts_per_step"] > 0
+    for key in ("step_overhead_ms", "token_overhead_ms"):
+        assert math.isfinite(data[key]) and data[key] >= 0
+    # A whole step of vLLM's engine costs more than its forward pass: scheduling, sampling, bookkeeping.
+    assert data["step_overhead_ms"] + data["token_overhead_ms"] > 0
+    assert "whole steps:" in stdout and "decode steps" in stdout
+
+
 def test_measured_costs_are_positive_and_finite(calibrated: tuple[Path, str]) -> None:
     profile = read_cost_file(calibrated[0])
     for _, ms in (*profile.verify, *profile.draft):
@@ -106,11 +121,13 @@ def test_the_cost_model_from_the_file_drives_the_schedulers(calibrated: tuple[Pa
     cost = profile.cost_model()
     assert isinstance(cost, CostModel)
     verify = dict(profile.verify)
-    # The model interpolates the measured curve (made monotone: a bigger step never costs less).
-    monotone = np.maximum.accumulate([verify[n] for n in TOKEN_COUNTS])
+    a, c = profile.step_overhead_ms, profile.token_overhead_ms
+    # The model interpolates the measured curve (made monotone: a bigger step never costs less),
+    # plus the whole-step overheads: a per token on the verify side, a per step on the drafter's.
+    monotone = np.maximum.accumulate([verify[n] + c * n for n in TOKEN_COUNTS])
     for n, want in zip(TOKEN_COUNTS, monotone, strict=True):
         assert cost.verify_ms(n) == pytest.approx(want)
-    assert cost.draft_ms(REQUEST_COUNTS[-1]) == pytest.approx(max(ms for _, ms in profile.draft))
+    assert cost.draft_ms(REQUEST_COUNTS[-1]) == pytest.approx(max(ms for _, ms in profile.draft) + a)
     layout = ScheduledLayout([f"r{i}" for i in range(8)], [3] * 8, [1] * 8)
     confidences = np.full((8, 3), 0.9)
     schedulers = [get_scheduler(name) for name in ("goodput", "dspark", "verify-all", "no-spec")]
@@ -158,6 +175,9 @@ def _good() -> dict[str, Any]:
         ({"draft": [[1.5, 1.0]]}, "draft: expected"),
         ({"max_reqs": 0}, "max_reqs: expected an int >= 1, got 0"),
         ({"graph_limit": -1}, "graph_limit: expected an int >= 0, got -1"),
+        ({"step_overhead_ms": -0.5}, "step_overhead_ms: expected a finite number of ms >= 0, got -0.5"),
+        ({"token_overhead_ms": "1"}, "token_overhead_ms: expected a finite number of ms >= 0, got '1'"),
+        ({"token_overhead_ms": float("inf")}, "token_overhead_ms: expected a finite number"),
     ],
 )
 def test_bad_cost_files_are_refused_by_name(tmp_path: Path, change: dict[str, Any], match: str) -> None:
@@ -188,6 +208,75 @@ def test_a_profile_round_trips_through_its_file(tmp_path: Path) -> None:
     assert again == profile
     assert again.meta == {"dtype": "float32"}
     assert again.cost_model().verify_ms(8) == pytest.approx(3.0)
+
+
+def test_overheads_round_trip_and_price_every_budget(tmp_path: Path) -> None:
+    profile = CostProfile.from_json({**_good(), "step_overhead_ms": 0.5, "token_overhead_ms": 0.25})
+    again = read_cost_file(profile.write(tmp_path / "cost.json"))
+    assert again == profile and again.meta == {}
+    cost = again.cost_model()
+    # verify 2.0 ms at 1 token, 3.0 at 8; draft 0.1 ms: plus 0.25 ms a token and 0.5 ms a step.
+    assert cost.verify_ms(1) == pytest.approx(2.25)
+    assert cost.verify_ms(8) == pytest.approx(5.0)
+    assert cost.verify_ms(4) == pytest.approx(2.0 + 3 / 7 + 1.0)  # linear between samples, exact for the line
+    assert cost.draft_ms(3) == pytest.approx(0.6)
+    assert cost.step_costs(2, 2, 3).tolist() == pytest.approx(
+        [cost.draft_ms(2) + cost.verify_ms(2 + b) for b in range(3)]
+    )
+    # An older file without the keys prices the forward alone.
+    old = CostProfile.from_json(_good())
+    assert old.step_overhead_ms == 0.0 and old.token_overhead_ms == 0.0
+    assert old.cost_model().verify_ms(8) == pytest.approx(3.0)
+
+
+def test_the_overhead_fit_recovers_a_step_and_a_token_cost() -> None:
+    from maskplug_vllm.calibrate import StepSample, fit_step_overhead
+
+    cost = CostModel.from_curves([(0, 0.1), (16, 0.5)], [(1, 2.0), (64, 20.0)], 16, 64)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(200):
+        n = int(rng.integers(1, 17))
+        d = int(rng.integers(0, 3 * n + 1))
+        t = n + d
+        ms = cost.verify_ms(t) + cost.draft_ms(n) + 1.5 + 0.08 * t + rng.normal(0, 0.01)
+        samples.append(StepSample(ms, n, t, d))
+    fit = fit_step_overhead(samples, cost)
+    assert fit["step_overhead_ms"] == pytest.approx(1.5, abs=0.01)
+    assert fit["token_overhead_ms"] == pytest.approx(0.08, abs=0.001)
+    assert fit["steps"] == 200 and fit["residual_ms"] < 0.02
+    # Steps cheaper than the profile (a noisy forward) never make a negative cost: both terms stay >= 0.
+    cheap = [
+        StepSample(0.5 * (cost.verify_ms(s.num_tokens) + cost.draft_ms(s.num_reqs)), s.num_reqs, s.num_tokens, 0)
+        for s in samples
+    ]
+    low = fit_step_overhead(cheap, cost)
+    assert low["step_overhead_ms"] >= 0 and low["token_overhead_ms"] >= 0
+    # One size only: no slope, the mean excess per step.
+    same = [StepSample(cost.verify_ms(5) + cost.draft_ms(4) + 2.0, 4, 5, 1)] * 3
+    assert fit_step_overhead(same, cost) == {
+        "step_overhead_ms": pytest.approx(2.0),
+        "token_overhead_ms": 0.0,
+        "steps": 3,
+        "residual_ms": pytest.approx(0.0, abs=1e-9),
+    }
+    with pytest.raises(BudgetError, match="samples: expected timed decode steps, got none"):
+        fit_step_overhead([], cost)
+
+
+def test_whole_steps_need_the_engine_core_in_this_process() -> None:
+    from maskplug_vllm.calibrate import measure_whole_steps
+
+    class Remote:
+        class llm_engine:
+            engine_core = object()
+
+    with pytest.raises(
+        BudgetError, match=r"whole steps: expected the engine core in this process \(VLLM_ENABLE_V1_MULTIPROCESSING=0\)"
+    ):
+        measure_whole_steps(Remote(), [1])
+    with pytest.raises(BudgetError, match="clock: expected 'wall' or 'cpu', got 'gpu'"):
+        measure_whole_steps(Remote(), [1], clock="gpu")
 
 
 def test_the_lower_envelope_caps_a_small_size_by_larger_ones() -> None:
