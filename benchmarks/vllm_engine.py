@@ -123,6 +123,9 @@ def child(spec_json: str) -> None:
         os.environ["MASKPLUG_VLLM"] = "1"
         os.environ["MASKPLUG_VLLM_SCHEDULER"] = cfg["schedulers"][0]
         os.environ["MASKPLUG_VLLM_COST"] = cfg["cost"]
+        # vLLM's own grammar (unbounded flexible whitespace, as its xgrammar backend compiles it), so
+        # every configuration constrains the same way and produces the same tokens.
+        os.environ["MASKPLUG_VLLM_MAX_WHITESPACE"] = "none"
     from vllm import LLM
 
     llm = LLM(**_engine_kwargs(cfg, cfg["spec"], max(cfg["concurrency"])))
@@ -374,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
                 f"{cfg:<22} c={c:<3} regimes {s['regimes']}, drafts scheduled {s['drafts_scheduled']}, "
                 f"verified {s['drafts_verified']}, accepted {s['drafts_accepted']}"
             )
+    # Greedy and lossless: every configuration, every round, the same tokens at each concurrency.
+    mismatches = []
+    for c in conc:
+        digests = {r["config"]: r["digest"] for r in results if r["concurrency"] == c}
+        if len({r["digest"] for r in results if r["concurrency"] == c}) > 1:
+            mismatches.append(f"c={c}: {digests}")
+    print("identical tokens in every configuration: " + ("yes" if not mismatches else "NO: " + "; ".join(mismatches)))
     loads = [x for r in results for x in (r["load_before"], r["load_after"])]
     print(f"\nload average (1 min) around the timed runs: {min(loads):.1f} to {max(loads):.1f}")
     print(f"total {elapsed:.0f} s")

@@ -52,10 +52,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vllm_tiny as tiny
 
+#: maskplug's engines run vLLM's own grammar: unbounded flexible whitespace, as vLLM's xgrammar
+#: backend compiles it (maskplug's default bound of whitespace runs is a different grammar, and on
+#: a random-weight model that writes whitespace runs it gives different tokens).
+SAME_GRAMMAR = {"MASKPLUG_VLLM_MAX_WHITESPACE": "none"}
 MODES: dict[str, dict[str, str]] = {
     "vllm": {},
-    "grammar": {"MASKPLUG_VLLM": "1"},
-    "verify-all": {"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "verify-all"},
+    "grammar": {"MASKPLUG_VLLM": "1", **SAME_GRAMMAR},
+    "verify-all": {"MASKPLUG_VLLM": "1", "MASKPLUG_VLLM_SCHEDULER": "verify-all", **SAME_GRAMMAR},
 }
 
 
