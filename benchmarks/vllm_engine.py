@@ -320,6 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"load average at the start: {_load()}", flush=True)
         print("verify cost (ms) by tokens per step: " + ", ".join(f"{n}: {ms:.2f}" for n, ms in cost["verify"]))
+        if "step_overhead_ms" in cost:
+            print(
+                f"whole steps beyond the forward: {cost['step_overhead_ms']:.2f} ms per step + "
+                f"{cost.get('token_overhead_ms', 0.0):.3f} ms per token ({cost.get('whole_steps', {})})"
+            )
         common = {
             "model": model,
             "concurrency": conc,
