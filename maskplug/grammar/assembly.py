@@ -23,33 +23,63 @@ from ..errors import GrammarError
 from .rows import stop_row
 from .walks import Walk
 
-__all__ = ["assemble", "dead_rows", "empty_row_error", "write_stop_rows"]
+__all__ = ["assemble", "dead_rows", "empty_row_error", "row_counts", "write_stop_rows"]
 
 IntArray = npt.NDArray[np.int64]
 
 
-def _forced_rows(bitmask: torch.Tensor, total: int, rows: IntArray) -> npt.NDArray[np.bool_]:
-    """Whether each listed bitmask row allows exactly one token (vectorised, no copy of the rows).
+def _sizes(vocabs: Sequence[Any], g_count: int, words: int) -> int | IntArray:
+    """Each request's vocabulary size, capped at the row's bits: one int when every request shares a vocabulary."""
+    v0 = vocabs[0] if vocabs else None
+    if len(vocabs) >= g_count and all(v is v0 for v in vocabs[:g_count]):
+        return min(int(getattr(v0, "vocab_size", words * 32)) if v0 is not None else words * 32, words * 32)
+    size_of = [
+        int(getattr(v, "vocab_size", words * 32)) if v is not None else words * 32
+        for v in (vocabs[g] if g < len(vocabs) else None for g in range(g_count))
+    ]
+    return np.minimum(np.asarray(size_of, dtype=np.int64), words * 32)
 
-    A row allows one token iff the OR of its words is a power of two and only
-    one word is non-zero. The OR pass is cheap (no temporary the size of the
-    rows); the word count runs on the few candidate rows only.
+
+def row_counts(
+    bitmask: torch.Tensor, total: int, rows: IntArray, sizes: int | IntArray
+) -> tuple[IntArray, IntArray]:
+    """Allowed tokens in each listed bitmask row: over the whole row, and over the bits below ``sizes``.
+
+    ``rows`` are distinct rows below ``total``; ``sizes`` is one
+    vocabulary size for all of them or one per row (at most the row's bits).
+    One population count over the rows (no copy when they are all the
+    rows), one more over the words a vocabulary ends inside.
     """
-    words = bitmask.numpy()[:total]
-    # Wider words halve the scan when the row width allows it.
-    words = words.view(np.uint64) if words.shape[1] % 2 == 0 else words.view(np.uint32)
-    # Reducing every row in place is cheaper than gathering most of them first.
-    ors = (
-        np.bitwise_or.reduce(words, axis=1)[rows]
-        if 2 * rows.shape[0] >= total
-        else np.bitwise_or.reduce(words[rows], axis=1)
-    )
-    one = ors.dtype.type(1)
-    cand = (ors != 0) & ((ors & (ors - one)) == 0)
-    if np.any(cand):
-        ci = np.flatnonzero(cand)
-        cand[ci] = np.count_nonzero(words[rows[ci]], axis=1) == 1
-    return cand
+    words32 = bitmask.numpy()[:total]
+    n_words = words32.shape[1]
+    whole = rows.shape[0] == total and (total < 2 or bool(np.all(rows[1:] > rows[:-1])))
+    sub = words32 if whole else words32[rows]
+    wide = sub.view(np.uint64) if n_words % 2 == 0 else sub.view(np.uint32)
+    count = np.bitwise_count(wide).sum(axis=1, dtype=np.int64)
+    per_row = not isinstance(sizes, int)
+    distinct = np.unique(sizes).tolist() if per_row else [sizes]
+    high: IntArray | None = None
+    for size in distinct:
+        f, r = divmod(int(size), 32)
+        if f >= n_words:
+            continue
+        sel = np.flatnonzero(sizes == size) if per_row else slice(None)
+        tail = sub[sel, f:].view(np.uint32).copy()
+        if r:
+            tail[:, 0] &= np.uint32(0xFFFFFFFF ^ ((1 << r) - 1))
+        if high is None:
+            high = np.zeros(count.shape[0], dtype=np.int64)
+        high[sel] = np.bitwise_count(tail).sum(axis=1, dtype=np.int64)
+    return count, (count if high is None else count - high)
+
+
+def _first_dead(gi: IntArray, pi: IntArray, below: IntArray) -> dict[int, int]:
+    """The first listed position ``pi`` of each request ``gi`` whose row allows nothing (``below == 0``)."""
+    out: dict[int, int] = {}
+    dead = np.flatnonzero(below == 0)
+    for g, p in zip(gi[dead].tolist(), pi[dead].tolist(), strict=True):
+        out.setdefault(int(g), int(p))
+    return out
 
 
 def dead_rows(
@@ -59,33 +89,15 @@ def dead_rows(
 
     ``filled[g, p]`` says row ``row0[g] + p`` holds request ``g``'s grammar
     mask (rows left all-allowed or blank are not asked). Bits past a
-    request's ``vocab_size`` do not count. One vectorised ``any`` over the
-    filled rows.
+    request's ``vocab_size`` do not count.
     """
     gi, pi = np.nonzero(filled)
     if not gi.size:
         return {}
-    bm = bitmask.numpy()
-    rows = bm[row0[gi] + pi]
-    words = bm.shape[1]
-    size_of = [
-        int(getattr(v, "vocab_size", words * 32)) if v is not None else words * 32
-        for v in (vocabs[g] if g < len(vocabs) else None for g in range(filled.shape[0]))
-    ]
-    sizes = np.minimum(np.asarray(size_of, dtype=np.int64)[gi], words * 32)
-    # Whole words below vocab_size, then the low bits of the partial last word.
-    full, rem = sizes // 32, sizes % 32
-    cols = np.arange(words)[None, :]
-    alive = ((rows != 0) & (cols < full[:, None])).any(axis=1)
-    part = np.flatnonzero(rem > 0)
-    if part.size:
-        last = rows[part, full[part]].astype(np.int64) & ((np.int64(1) << rem[part]) - 1)
-        alive[part] |= last != 0
-    dead = ~alive
-    out: dict[int, int] = {}
-    for g, p in zip(gi[dead].tolist(), pi[dead].tolist(), strict=True):
-        out.setdefault(int(g), int(p))
-    return out
+    rows = row0[gi] + pi
+    sizes = _sizes(vocabs, filled.shape[0], int(bitmask.shape[1]))
+    _, below = row_counts(bitmask, int(rows.max()) + 1, rows, sizes if isinstance(sizes, int) else sizes[gi])
+    return _first_dead(gi, pi, below)
 
 
 def empty_row_error(g: int, p: int, where: str) -> GrammarError:
@@ -120,33 +132,39 @@ def assemble(walk: Walk, idx: IntArray) -> DraftMasks:
     Requests whose filled rows allow nothing fail (:func:`dead_rows`); rows
     nobody filled become all-allowed; each failed request's rows allow only
     its stop tokens, its ``acceptable`` is 0 and its ``forced`` row False.
+    One population count over the filled rows answers both which rows are
+    dead and which allow a single token.
     """
     bitmask, row0, total, errors = walk.bitmask, walk.row0, walk.total, walk.errors
-    # A filled row that allows nothing would turn every logit to -inf: its request fails instead.
-    for g, p in dead_rows(bitmask, row0, walk.filled, walk.vocabs).items():
-        if g not in errors:
-            errors[g] = empty_row_error(g, p, "draft position")
+    forced = np.zeros(walk.filled.shape, dtype=bool)
+    gi, pi = np.nonzero(walk.filled)
+    filled_rows = row0[gi] + pi
+    count: IntArray | None = None
+    if gi.size:
+        sizes = _sizes(walk.vocabs, walk.filled.shape[0], int(bitmask.shape[1]))
+        count, below = row_counts(bitmask, total, filled_rows, sizes if isinstance(sizes, int) else sizes[gi])
+        # A filled row that allows nothing would turn every logit to -inf: its request fails instead.
+        if not np.all(below):
+            for g, p in _first_dead(gi, pi, below).items():
+                if g not in errors:
+                    errors[g] = empty_row_error(g, p, "draft position")
     failed = sorted(errors)
     if failed:
         walk.filled[failed] = False
         walk.acceptable[failed] = 0
+        if gi.size:
+            keep = walk.filled[gi, pi]
+            gi, pi, filled_rows = gi[keep], pi[keep], filled_rows[keep]
+            count = None if count is None else count[keep]
     # Rows nobody filled are all-allowed; write only those (the filled ones hold masks).
-    forced = np.zeros(walk.filled.shape, dtype=bool)
-    gi, pi = np.nonzero(walk.filled)
-    filled_rows = row0[gi] + pi
-    if total:
+    if total and filled_rows.shape[0] < total:
         blank = np.ones(total, dtype=bool)
         blank[filled_rows] = False
-        if blank.any():
-            # numpy's fancy assignment: torch's index_fill_ is ~80x slower on CPU here.
-            bitmask.numpy()[np.flatnonzero(blank)] = -1
-    if gi.size:
+        # numpy's fancy assignment: torch's index_fill_ is ~80x slower on CPU here.
+        bitmask.numpy()[np.flatnonzero(blank)] = -1
+    if gi.size and count is not None:
         known = walk.known[filled_rows]
-        flags = walk.row_forced[filled_rows] & known
-        if not np.all(known):
-            unknown = np.flatnonzero(~known)
-            flags[unknown] = _forced_rows(bitmask, total, filled_rows[unknown])
-        forced[gi, pi] = flags
+        forced[gi, pi] = np.where(known, walk.row_forced[filled_rows], count == 1)
     if not failed:
         return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
     write_stop_rows(bitmask.numpy(), failed, walk.vocabs, row0, walk.need)

@@ -40,6 +40,7 @@ __all__ = [
     "MatcherBase",
     "ProviderBase",
     "check_start",
+    "plain_matcher_type",
 ]
 
 
@@ -392,6 +393,47 @@ class MatcherBase:
             return bool(restricts)
         return not bool((bitmask[r] == -1).all())
 
+    # -- the protocol on arguments a producer has checked ---------------------------
+    # A mask-row producer checks its bitmask and every draft id once per call; a walk
+    # over a few requests spends most of its time on these calls, so it uses the
+    # unchecked forms where the class keeps the public methods (:func:`plain_matcher_type`).
+    def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        """:meth:`fill` into a bitmask and row :func:`~maskplug.grammar.sdk.check_bitmask` passed."""
+        if self._terminated:
+            if self._stop_row is None:
+                self._stop_row = stop_row(self.vocab)
+            bitmask[row].copy_(self._stop_row)
+            return
+        self._fill(bitmask, row)
+
+    def _accept_id(self, t: int) -> bool:
+        """:meth:`accept` of an ``int`` already in ``[0, vocab_size)``."""
+        if self._terminated:
+            return False
+        vocab = self.vocab
+        if t in vocab.eos_ids:
+            if self._is_complete():
+                self._terminated = True
+                return True
+            return False
+        if t in vocab.special_ids or t >= len(vocab.tokens):
+            return False
+        return self._accept(t)
+
+    def _rollback_walked(self, n: int) -> None:
+        """:meth:`rollback` of ``n`` tokens this caller's walk accepted (``n >= 1``: at most what was accepted)."""
+        was_terminated = self._terminated
+        k = self._unwind_stop(n)
+        if k:
+            try:
+                self._rollback(k)
+            except MaskplugError:
+                self._set_terminated(was_terminated)
+                raise
+            except Exception as exc:
+                self._set_terminated(was_terminated)
+                raise GrammarError(f"n: the grammar engine cannot undo {n} tokens ({str(exc).strip()})") from exc
+
     def is_terminated(self) -> bool:
         """Whether a stop token was accepted."""
         return self._terminated
@@ -412,6 +454,28 @@ class MatcherBase:
         """Tokens accepted so far, a stop token included (None when the engine does not keep count)."""
         text = self._accepted_count()
         return None if text is None else text + int(self._terminated)
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def plain_matcher_type(cls: type) -> bool:
+    """Whether ``cls`` is a :class:`MatcherBase` that keeps its ``fill``, ``accept`` and ``rollback``.
+
+    A walk may then call the unchecked forms (``_fill_row``, ``_accept_id``,
+    ``_rollback_walked``) on inputs it checked, with the same results. A
+    class that overrides one of the public methods is always called through
+    them. Asked once per class.
+    """
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = _PLAIN[cls] = (
+            issubclass(cls, MatcherBase)
+            and cls.fill is MatcherBase.fill
+            and cls.accept is MatcherBase.accept
+            and cls.rollback is MatcherBase.rollback
+        )
+    return plain
 
 
 class BatchOpsBase:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from ..errors import GrammarError
+from .bases import MatcherBase, plain_matcher_type
 from .checks import brief_error
 from .protocols import BatchOps, ChainOps, Matcher
 from .recovery import logger, roll_back
@@ -175,32 +176,54 @@ def walk_one(w: Walk, g: int) -> None:
     """Request-major walk of one request, rolled back at the end (each thread touches only its own entries).
 
     An exception from the matcher fails this request alone (:func:`fail_request`).
+    The walk's inputs are checked (the bitmask and every draft id), so a
+    :class:`~maskplug.grammar.MatcherBase` that keeps the public methods is
+    driven through their unchecked forms (:func:`~maskplug.grammar.bases.plain_matcher_type`).
     """
-    m, d, eos, bitmask = w.matchers[g], w.d[g], w.eos[g], w.bitmask
+    m = w.matchers[g]
+    if plain_matcher_type(type(m)):
+        base = cast(MatcherBase, m)
+        fill: Any = base._fill_row
+        accept: Any = base._accept_id
+    else:
+        fill, accept = m.fill, m.accept
+    eos, bitmask = w.eos[g], w.bitmask
     nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
-    p, filling = 0, True  # where the walk is, for the error message (formatted only on failure)
+    d: list[int] = w.d[g, :nd].tolist() if nd else []
+    # Kept in locals and written back once (numpy scalar writes cost more than the walk's calls).
+    p, filling, took, hi, acceptable = 0, True, 0, -1, nd
     try:
         for p in range(need):
             if p >= gate:
                 filling = True
-                m.fill(bitmask, row0 + p)
-                w.filled[g, p] = True
+                fill(bitmask, row0 + p)
+                hi = p
             if p >= nd or p < gate:
                 continue
-            t = int(d[p])
+            t = d[p]
             filling = False
-            if not m.accept(t):
-                w.acceptable[g] = p
+            if not accept(t):
+                acceptable = p
                 break
-            w.accepted[g] += 1
+            took += 1
             if t in eos:
-                w.acceptable[g] = p + 1
+                acceptable = p + 1
                 break
     except Exception as exc:
-        doing = f"fill of row {p}" if filling else f"accept of {w.arg}[{g}][{p}] = {int(d[p])}"
+        w.accepted[g] = took
+        doing = f"fill of row {p}" if filling else f"accept of {w.arg}[{g}][{p}] = {d[p]}"
         fail_request(w, g, exc, f"in its {doing}")
         return
-    rollback_request(w, g)
+    except BaseException:
+        # Interrupted: the caller restores every matcher by what the walk recorded.
+        w.accepted[g] = took
+        raise
+    if hi >= gate:
+        w.filled[g, gate : hi + 1] = True
+    if acceptable != nd:
+        w.acceptable[g] = acceptable
+    if took:
+        rollback_request(w, g, took)
 
 
 def fail_request(w: Walk, g: int, exc: BaseException, doing: str) -> None:
@@ -221,8 +244,12 @@ def rollback_request(w: Walk, g: int, k: int | None = None) -> None:
     w.accepted[g] = 0
     if k <= 0:
         return
+    m = w.matchers[g]
     try:
-        w.matchers[g].rollback(k)
+        if plain_matcher_type(type(m)):
+            cast(MatcherBase, m)._rollback_walked(k)
+        else:
+            m.rollback(k)
     except Exception as exc:
         w.alive[g] = False
         err = GrammarError(
