@@ -40,9 +40,7 @@ def _sizes(vocabs: Sequence[Any], g_count: int, words: int) -> int | IntArray:
     return np.minimum(np.asarray(size_of, dtype=np.int64), words * 32)
 
 
-def row_counts(
-    bitmask: torch.Tensor, total: int, rows: IntArray, sizes: int | IntArray
-) -> tuple[IntArray, IntArray]:
+def row_counts(bitmask: torch.Tensor, total: int, rows: IntArray, sizes: int | IntArray) -> tuple[IntArray, IntArray]:
     """Allowed tokens in each listed bitmask row: over the whole row, and over the bits below ``sizes``.
 
     ``rows`` are distinct rows below ``total``; ``sizes`` is one
@@ -52,7 +50,7 @@ def row_counts(
     """
     words32 = bitmask.numpy()[:total]
     n_words = words32.shape[1]
-    whole = rows.shape[0] == total and (total < 2 or bool(np.all(rows[1:] > rows[:-1])))
+    whole = rows.shape[0] == total and (total < 2 or bool((rows[1:] > rows[:-1]).all()))
     sub = words32 if whole else words32[rows]
     wide = sub.view(np.uint64) if n_words % 2 == 0 else sub.view(np.uint32)
     count = np.bitwise_count(wide).sum(axis=1, dtype=np.int64)
@@ -144,7 +142,7 @@ def assemble(walk: Walk, idx: IntArray) -> DraftMasks:
         sizes = _sizes(walk.vocabs, walk.filled.shape[0], int(bitmask.shape[1]))
         count, below = row_counts(bitmask, total, filled_rows, sizes if isinstance(sizes, int) else sizes[gi])
         # A filled row that allows nothing would turn every logit to -inf: its request fails instead.
-        if not np.all(below):
+        if not below.all():
             for g, p in _first_dead(gi, pi, below).items():
                 if g not in errors:
                     errors[g] = empty_row_error(g, p, "draft position")
@@ -163,8 +161,10 @@ def assemble(walk: Walk, idx: IntArray) -> DraftMasks:
         # numpy's fancy assignment: torch's index_fill_ is ~80x slower on CPU here.
         bitmask.numpy()[np.flatnonzero(blank)] = -1
     if gi.size and count is not None:
-        known = walk.known[filled_rows]
-        forced[gi, pi] = np.where(known, walk.row_forced[filled_rows], count == 1)
+        if walk.reported:
+            forced[gi, pi] = np.where(walk.known[filled_rows], walk.row_forced[filled_rows], count == 1)
+        else:
+            forced[gi, pi] = count == 1
     if not failed:
         return DraftMasks(request=idx.astype(np.int64), acceptable=walk.acceptable.astype(np.int64), forced=forced)
     write_stop_rows(bitmask.numpy(), failed, walk.vocabs, row0, walk.need)

@@ -57,7 +57,7 @@ class Walk:
     matcher accepted (``accepted``, rolled back afterwards), the drafts the
     grammar accepts (``acceptable``), which rows they wrote (``filled``) and
     the single-token flags a chain operation reported per bitmask row
-    (``row_forced``, valid where ``known``) and the requests that failed
+    (``row_forced``, valid where ``known``; ``reported`` once any is) and the requests that failed
     (``errors``, by grammar request; a failed request is never touched
     again). ``arg`` is the name the drafts go by in errors (``tokens`` for
     a tree call). Each walker touches only its own requests' entries.
@@ -81,6 +81,7 @@ class Walk:
     filled: npt.NDArray[np.bool_] = field(init=False)
     row_forced: npt.NDArray[np.bool_] = field(init=False)
     known: npt.NDArray[np.bool_] = field(init=False)
+    reported: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         g = self.nd.shape[0]
@@ -163,6 +164,7 @@ def walk_chains(w: Walk, ops: ChainOps, members: list[int], threads: int) -> Non
     if reports:
         gi, pi = np.nonzero(span)
         w.known[row0[mem][gi] + pi] = True
+        w.reported = True
     extra = np.flatnonzero(~cut & (need[mem] - 1 > lo + took))
     for i in extra.tolist():  # num_bonus > 1 only
         g = members[i]

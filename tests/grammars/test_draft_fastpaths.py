@@ -187,3 +187,95 @@ def test_fill_chains_checks_the_buffer_before_writing(provider: str) -> None:
             ops.fill_chains([m], bm, rows, drafts, threads=1)
         assert torch.equal(bm, keep)
         assert state_of(m, v, probe) == before
+
+
+# -- the serial walk's unchecked calls and the rows' population count ---------------------------
+
+
+def test_base_matchers_of_every_provider_take_the_unchecked_walk() -> None:
+    from maskplug.grammar.bases import MatcherBase, plain_matcher_type
+
+    for name in PROVIDERS:
+        m = grammar_provider(name, vocab("spm")).compile(GrammarSpec("regex", "[a-z]{1,4}")).matcher()
+        assert isinstance(m, MatcherBase) and plain_matcher_type(type(m)), name
+
+
+@pytest.mark.parametrize("strategy", ["serial", "threads"])
+def test_a_matcher_class_that_overrides_fill_or_accept_is_called_through_them(strategy: str) -> None:
+    """A subclass's public ``fill`` / ``accept`` / ``rollback`` run on every row and draft, as before."""
+    from maskplug.grammar.bases import plain_matcher_type
+
+    v = vocab("spm")
+    base = grammar_provider(PROVIDERS[0], v).compile(GrammarSpec("regex", "[a-z]{1,8}")).matcher()
+    calls: list[str] = []
+
+    class Counting(type(base)):  # type: ignore[misc]
+        def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+            calls.append("fill")
+            return super().fill(bitmask, row)
+
+        def accept(self, token: int) -> bool:
+            calls.append("accept")
+            return super().accept(token)
+
+        def rollback(self, n: int) -> None:
+            calls.append("rollback")
+            super().rollback(n)
+
+    m = base.fork()
+    m.__class__ = Counting
+    assert not plain_matcher_type(Counting)
+    a = next(i for i, t in enumerate(v.tokens) if t == b"a")
+    layout = ScheduledLayout(["r"], [3], [1])
+    rows = GrammarRows(["r"])
+    bm = v.new_bitmask(rows.num_rows(layout))
+    dm = fill_draft_masks([m], [a, a, a], bm, rows, layout, strategy=strategy)
+    assert int(dm.acceptable[0]) == 3
+    assert calls == ["fill", "accept"] * 3 + ["fill", "rollback"]
+    # The same rows as the base class's unchecked walk.
+    ref = v.new_bitmask(rows.num_rows(layout))
+    fill_draft_masks([base.fork()], [a, a, a], ref, rows, layout, strategy=strategy)
+    assert torch.equal(bm, ref)
+
+
+@given(
+    words=st.integers(1, 9),
+    n=st.integers(1, 12),
+    size_cut=st.integers(0, 31),
+    seed=st.integers(0, 2**32 - 1),
+    subset=st.booleans(),
+    one_size=st.booleans(),
+)
+def test_row_counts_equal_a_per_row_count(
+    words: int, n: int, size_cut: int, seed: int, subset: bool, one_size: bool
+) -> None:
+    """Both counts of ``row_counts`` against Python's ``int.bit_count`` of each row, sparse rows included."""
+    from maskplug.grammar.assembly import row_counts
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(-(2**31), 2**31, size=(n, words), dtype=np.int64).astype(np.int32)
+    # Make rows with no bit, one bit, and bits only past the vocabulary likely.
+    for r in range(n):
+        kind = rng.integers(0, 4)
+        if kind == 0:
+            raw[r] = 0
+        elif kind == 1:
+            raw[r] = 0
+            raw[r, rng.integers(0, words)] = np.int32(np.uint32(1 << int(rng.integers(0, 32))).view(np.int32))
+        elif kind == 2:
+            raw[r] = 0
+            raw[r, -1] = np.int32(-(1 << 31))
+    bitmask = torch.from_numpy(raw.copy())
+    rows = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)) if subset else np.arange(n)
+    top = words * 32 - size_cut
+    sizes: int | np.ndarray = (
+        top
+        if one_size
+        else np.asarray(rng.integers(max(1, (words - 1) * 32 + 1), words * 32 + 1, size=rows.shape[0]), np.int64)
+    )
+    count, below = row_counts(bitmask, n, rows.astype(np.int64), sizes)
+    for i, r in enumerate(rows.tolist()):
+        value = int.from_bytes(raw[r].tobytes(), "little")
+        size = sizes if isinstance(sizes, int) else int(sizes[i])
+        assert int(count[i]) == value.bit_count()
+        assert int(below[i]) == (value & ((1 << size) - 1)).bit_count()
