@@ -1,0 +1,83 @@
+"""Compile times of one grammar provider on JSONSchemaBench schemas, each under a generous limit.
+
+What the per-provider default compile limits are set from: each schema is
+compiled once, in the provider's compile server, under ``--limit-s`` CPU
+seconds, and the wall-clock and server CPU seconds are printed as they come
+(a slow schema can take many minutes; progress is one line per schema).
+
+    .venv/bin/python benchmarks/compile_times.py --provider outlines-core --every 30 --first 24
+    .venv/bin/python benchmarks/compile_times.py --provider outlines-core --ids BFCL_java_14,BFCL_java_56
+
+``--every N --first M`` takes schemas 0, N, 2N, ... of the sample (the first M
+of them; ``--skip S`` leaves out the first S); ``--ids`` takes the named ones. The vocabulary is tekken's 131k
+tokens (the ``mistral-common`` wheel's file), the spec maskplug's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from maskplug import GrammarSpec, grammar_provider
+from maskplug.grammar.vocabs import mistral_tekken
+
+SAMPLE = Path(__file__).resolve().parents[1] / ".." / "shared" / "jsonschemabench" / "maskbench-sample.jsonl"
+
+
+def _records(path: Path, every: int, skip: int, first: int | None, ids: list[str] | None) -> list[dict[str, Any]]:
+    lines = path.read_text().splitlines()
+    if ids:
+        by_id = {r["id"]: r for r in map(json.loads, lines)}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            raise SystemExit(f"--ids: not in {path}: {missing}")
+        return [by_id[i] for i in ids]
+    picked = [json.loads(lines[i]) for i in range(0, len(lines), every)]
+    return picked[skip : first if first is not None else None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--provider", default="outlines-core")
+    p.add_argument("--data", type=Path, default=SAMPLE)
+    p.add_argument("--every", type=int, default=30, help="take every Nth schema (default: %(default)s)")
+    p.add_argument("--first", type=int, default=None, help="only the first M of those")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first S of those (default: %(default)s)")
+    p.add_argument("--ids", default=None, help="comma-separated schema ids instead")
+    p.add_argument("--limit-s", type=float, default=1800.0, help="CPU seconds per compile (default: %(default)s)")
+    a = p.parse_args(argv)
+    if a.every < 1:
+        p.error(f"--every: expected an int >= 1, got {a.every}")
+    recs = _records(a.data, a.every, a.skip, a.first, a.ids.split(",") if a.ids else None)
+    prov: Any = grammar_provider(a.provider, mistral_tekken())
+    print(f"{a.provider}: {len(recs)} schemas, limit {a.limit_s:g} CPU s each", flush=True)
+    done: list[float] = []
+    for j, rec in enumerate(recs):
+        t0 = time.perf_counter()
+        try:
+            prov.compile(GrammarSpec("json_schema", rec["schema"], compile_limit_s=a.limit_s))
+            out = "compiled"
+        except Exception as exc:  # a refusal or the limit: printed, the next schema goes on
+            out = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        wall = time.perf_counter() - t0
+        worker = getattr(prov, "worker", None)
+        cpu = getattr(worker, "last_cpu_s", None) if worker is not None else None
+        cpu_s = f"{cpu:8.1f}" if isinstance(cpu, (int, float)) else "       -"
+        if out == "compiled":
+            done.append(wall)
+        print(f"{j:3d} {rec['id']:<44} wall {wall:8.1f} s  cpu {cpu_s} s  {out}", flush=True)
+    if done:
+        print(
+            f"compiled {len(done)} of {len(recs)}: wall median {statistics.median(done):.1f} s, max {max(done):.1f} s",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
