@@ -178,7 +178,7 @@ def _apply_rows_cpu(
         sr = src[s : s + group]
         g = d.size
         d_run = int(d[-1]) - int(d[0]) == g - 1  # dst is strictly increasing: the ends tell
-        s_run = g == 1 or bool(np.all(np.diff(sr) == 1))  # src is in dst's order, not sorted
+        s_run = g == 1 or (int(sr[-1]) - int(sr[0]) == g - 1 and bool((sr[1:] > sr[:-1]).all()))  # in dst's order
         for c0 in range(0, width, cols):
             c1 = min(width, c0 + cols)
             keep = keep_buf[: g * (c1 - c0)].reshape(g, c1 - c0)
@@ -353,19 +353,22 @@ def _apply_cpu(args: LaunchArgs) -> None:
             mask_rows_cpu(logits, bitmask, few, vocab_size, mask_tail)
             return
     itype = _NP_INT[INT_VIEW[logits.dtype]]
-    req = request.numpy().astype(np.int64)
-    pos = position.numpy().astype(np.int64)
-    cu = cu_logits.numpy().astype(np.int64)
+    # Read only: no copy where they are int64 already (the planner's are).
+    req = np.asarray(request.numpy(), dtype=np.int64)
+    pos = np.asarray(position.numpy(), dtype=np.int64)
+    cu = np.asarray(cu_logits.numpy(), dtype=np.int64)
     r = np.maximum(req, 0)
     live = (req >= 0) & (pos >= 0) & (pos < cu[r + 1] - cu[r])
     src = np.flatnonzero(live)
     if src.size == 0:
         return
     dst = cu[r[src]] + pos[src]
-    order = np.argsort(dst, kind="stable")
-    src, dst = src[order], dst[order]
+    # Mask rows usually come in logits order, one per logits row: then neither a sort nor the AND below is needed.
+    if dst.size > 1 and not bool((dst[1:] > dst[:-1]).all()):
+        order = np.argsort(dst, kind="stable")
+        src, dst = src[order], dst[order]
     words = bitmask
-    if dst.size > 1 and np.any(dst[1:] == dst[:-1]):
+    if dst.size > 1 and bool((dst[1:] == dst[:-1]).any()):
         # Several mask rows for one logits row apply as the AND of their masks.
         starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
         bm = bitmask.numpy()[src]
