@@ -331,17 +331,7 @@ class MatcherBase:
     # -- the normalised protocol -------------------------------------------------
     def accept(self, token: int) -> bool:
         """Advance by ``token``; False (state unchanged) when the grammar does not allow it."""
-        t = check_token(token, self.vocab)
-        if self._terminated:
-            return False
-        if t in self.vocab.eos_ids:
-            if self._is_complete():
-                self._terminated = True
-                return True
-            return False
-        if t in self.vocab.special_ids or t >= len(self.vocab.tokens):
-            return False
-        return self._accept(t)
+        return self._accept_id(check_token(token, self.vocab))
 
     def validate(self, tokens: Sequence[int]) -> int:
         """Length of the prefix of ``tokens`` the grammar accepts; the state is left as it was."""
@@ -365,20 +355,7 @@ class MatcherBase:
         done = self.num_accepted
         if done is not None and k > done:
             raise GrammarError(f"n: expected at most the {done} accepted tokens, got {k}")
-        # Engines that keep no count (xgrammar) find out only when asked to undo
-        # too much; their check comes before any change, so putting the stop
-        # token back leaves the matcher exactly as it was.
-        was_terminated = self._terminated
-        k = self._unwind_stop(k)
-        if k:
-            try:
-                self._rollback(k)
-            except MaskplugError:
-                self._set_terminated(was_terminated)
-                raise
-            except Exception as exc:
-                self._set_terminated(was_terminated)
-                raise GrammarError(f"n: the grammar engine cannot undo {int(n)} tokens ({str(exc).strip()})") from exc
+        self._rollback_walked(k)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
         """Write the allowed set into ``bitmask[row]``; False when it allows every token."""
@@ -421,7 +398,10 @@ class MatcherBase:
         return self._accept(t)
 
     def _rollback_walked(self, n: int) -> None:
-        """:meth:`rollback` of ``n`` tokens this caller's walk accepted (``n >= 1``: at most what was accepted)."""
+        """:meth:`rollback` of ``n`` tokens this caller's walk accepted (an int, at most what was accepted)."""
+        # Engines that keep no count (xgrammar) find out only when asked to undo
+        # too much; their check comes before any change, so putting the stop
+        # token back leaves the matcher exactly as it was.
         was_terminated = self._terminated
         k = self._unwind_stop(n)
         if k:
