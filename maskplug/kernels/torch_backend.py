@@ -363,17 +363,17 @@ def _apply_cpu(args: LaunchArgs) -> None:
     if src.size == 0:
         return
     dst = cu[r[src]] + pos[src]
+    words = bitmask
     # Mask rows usually come in logits order, one per logits row: then neither a sort nor the AND below is needed.
     if dst.size > 1 and not bool((dst[1:] > dst[:-1]).all()):
         order = np.argsort(dst, kind="stable")
         src, dst = src[order], dst[order]
-    words = bitmask
-    if dst.size > 1 and bool((dst[1:] == dst[:-1]).any()):
-        # Several mask rows for one logits row apply as the AND of their masks.
-        starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
-        bm = bitmask.numpy()[src]
-        words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
-        src, dst = np.arange(starts.size), dst[starts]
+        if bool((dst[1:] == dst[:-1]).any()):
+            # Several mask rows for one logits row apply as the AND of their masks.
+            starts = np.flatnonzero(np.r_[True, dst[1:] != dst[:-1]])
+            bm = bitmask.numpy()[src]
+            words = torch.from_numpy(np.bitwise_and.reduceat(bm, starts, axis=0))
+            src, dst = np.arange(starts.size), dst[starts]
     # Same element size: a bit-pattern view of the logits' own memory, any row stride.
     xi = logits.detach().view(INT_VIEW[logits.dtype]).numpy()
     _apply_rows_cpu(xi, words.numpy(), src, dst, vocab_size, mask_tail, itype(NINF_BITS[logits.dtype]))
