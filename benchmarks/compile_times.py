@@ -11,12 +11,23 @@ seconds, and the wall-clock and server CPU seconds are printed as they come
 ``--every N --first M`` takes schemas 0, N, 2N, ... of the sample (the first M
 of them; ``--skip S`` leaves out the first S); ``--ids`` takes the named ones. The vocabulary is tekken's 131k
 tokens (the ``mistral-common`` wheel's file), the spec maskplug's defaults.
+
+A pass over the whole sample takes CPU hours for outlines-core, so it can be
+spread over several runs: ``--out FILE`` appends one JSON line per schema
+(id, outcome, wall and compile CPU seconds, limit, load average, date) and
+leaves out the schemas the file already holds, so the same command resumes
+where the last run stopped::
+
+    nice -n 19 .venv/bin/python benchmarks/compile_times.py --provider outlines-core --every 1 \
+        --out benchmarks/compile_times/outlines-core.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -50,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=0, help="leave out the first S of those (default: %(default)s)")
     p.add_argument("--ids", default=None, help="comma-separated schema ids instead")
     p.add_argument("--limit-s", type=float, default=1800.0, help="CPU seconds per compile (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=None, help="append a JSON line per schema; skip ids it holds")
     a = p.parse_args(argv)
     if a.every < 1:
         p.error(f"--every: expected an int >= 1, got {a.every}")
     recs = _records(a.data, a.every, a.skip, a.first, a.ids.split(",") if a.ids else None)
+    if a.out is not None and a.out.exists():
+        seen = {json.loads(line)["id"] for line in a.out.read_text().splitlines() if line.strip()}
+        recs = [r for r in recs if r["id"] not in seen]
+        print(f"{a.out}: {len(seen)} schemas measured before, {len(recs)} to go", flush=True)
     prov: Any = grammar_provider(a.provider, mistral_tekken())
     print(f"{a.provider}: {len(recs)} schemas, limit {a.limit_s:g} CPU s each", flush=True)
     done: list[float] = []
@@ -71,6 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         if out == "compiled":
             done.append(wall)
         print(f"{j:3d} {rec['id']:<44} wall {wall:8.1f} s  cpu {cpu_s} s  {out}", flush=True)
+        if a.out is not None:
+            line = {
+                "id": rec["id"],
+                "provider": a.provider,
+                "outcome": out,
+                "wall_s": round(wall, 3),
+                "cpu_s": round(cpu, 3) if isinstance(cpu, (int, float)) else None,
+                "limit_s": a.limit_s,
+                "load": round(os.getloadavg()[0], 2),
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            with a.out.open("a") as fh:
+                fh.write(json.dumps(line) + "\n")
     if done:
         print(
             f"compiled {len(done)} of {len(recs)}: wall median {statistics.median(done):.1f} s, max {max(done):.1f} s",

@@ -31,15 +31,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 
 from ..draftmasks import DraftMasks
 from ..errors import GrammarError, PluginError
-from ..grammar.draft import _Plan, _produce, _Walk
-from ..grammar.fillargs import eos_sets
 from ..grammar.jobs import claim, release
 from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
+from ..grammar.serial import walk_windows
 from ..schedulers import SchedulerSpec, VerifyAllScheduler, parse_scheduler_spec
 
 __all__ = [
@@ -260,30 +258,9 @@ def fill_windows_serially(
     Raises:
         MatcherInUse: another thread's call holds one of the matchers.
     """
-    g_count = len(matchers)
-    vocabs = [m.vocab for m in matchers]  # type: ignore[attr-defined]
-    counts = np.array([len(w) for w in windows], dtype=np.int64)
-    drafts = np.full((g_count, int(counts.max()) if g_count else 0), -1, dtype=np.int64)
-    for g, w in enumerate(windows):
-        if len(w):
-            drafts[g, : len(w)] = w
-    walk = _Walk(
-        matchers,
-        drafts,
-        counts,
-        counts + 1,
-        np.zeros(g_count, dtype=np.int64),
-        np.array(row0, dtype=np.int64),
-        eos_sets(vocabs),
-        bitmask,
-        total,
-        vocabs,
-        {},
-        arg="drafts",
-    )
     keys = [id(m) for m in matchers]
     held = claim(matchers, keys, "matchers")
     try:
-        return _produce(_Plan(walk, keys, np.arange(g_count, dtype=np.int64), walk.row0, "serial", 1))
+        return walk_windows(matchers, windows, row0, bitmask, total)
     finally:
         release(held)

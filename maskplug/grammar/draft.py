@@ -82,9 +82,6 @@ from .walks import Walk, accepted_counts, fail_request, redo_serially, unwind, w
 
 __all__ = ["CommitResult", "DraftMasksJob", "commit", "commit_many", "fill_draft_masks"]
 
-# The vLLM adapter's own fast path builds a walk and a plan under these names.
-_Walk = Walk
-
 IntArray = npt.NDArray[np.int64]
 _STRATEGIES = ("auto", "chains", "batch", "threads", "serial")
 

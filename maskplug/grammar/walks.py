@@ -36,6 +36,7 @@ __all__ = [
     "accepted_counts",
     "fail_request",
     "redo_serially",
+    "rollback_error",
     "rollback_request",
     "unwind",
     "walk_batched",
@@ -254,12 +255,17 @@ def rollback_request(w: Walk, g: int, k: int | None = None) -> None:
             m.rollback(k)
     except Exception as exc:
         w.alive[g] = False
-        err = GrammarError(
-            f"matchers[{g}]: rolling back the {k} drafts it accepted raised {type(exc).__name__} "
-            f"({brief_error(exc)}): the matcher is not where it started and should be dropped"
-        )
-        err.__cause__ = exc
-        w.errors[g] = err
+        w.errors[g] = rollback_error(g, k, exc)
+
+
+def rollback_error(g: int, k: int, exc: Exception) -> GrammarError:
+    """The failure of request ``g`` whose rollback of the ``k`` drafts its walk accepted raised ``exc``."""
+    err = GrammarError(
+        f"matchers[{g}]: rolling back the {k} drafts it accepted raised {type(exc).__name__} "
+        f"({brief_error(exc)}): the matcher is not where it started and should be dropped"
+    )
+    err.__cause__ = exc
+    return err
 
 
 def accepted_counts(w: Walk, members: Sequence[int]) -> list[int | None]:

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from maskplug import GrammarError, GrammarRows, PluginError, ScheduledLayout, fill_draft_masks
 from maskplug.engines.sdk import GuardedGrammar, PatchSet, fill_windows_serially, wraps
@@ -223,3 +225,111 @@ def test_fill_row_writes_the_matchers_row_until_the_matcher_raises() -> None:
     m.raises = False
     g.fill_row(bm, 0)
     assert torch.equal(bm[0], stop_row(v))
+
+
+# -- fill_windows_serially against the general producer, under hypothesis --------------------------
+
+
+class _Wrapped:
+    """A matcher around a real one that, from its ``at``-th ``what`` call on, raises or writes a row allowing nothing."""
+
+    batch_ops = None
+    releases_gil = False
+
+    def __init__(self, inner: Any, what: str, at: int) -> None:
+        self.inner, self.what, self.at, self.calls = inner, what, at, 0
+        self.vocab = inner.vocab
+
+    def _hit(self, what: str) -> bool:
+        if what != self.what.split(":")[0]:
+            return False
+        self.calls += 1
+        return self.calls >= self.at
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        if self._hit("fill"):
+            if self.what == "fill:dead":
+                bitmask[row] = 0
+                return True
+            raise RuntimeError(f"injected fill fault at call {self.calls}")
+        return bool(self.inner.fill(bitmask, row))
+
+    def accept(self, token: int) -> bool:
+        if self._hit("accept"):
+            raise RuntimeError(f"injected accept fault at call {self.calls}")
+        return bool(self.inner.accept(token))
+
+    def rollback(self, n: int) -> None:
+        if self._hit("rollback"):
+            raise RuntimeError(f"injected rollback fault at call {self.calls}")
+        self.inner.rollback(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+_COMPILED: dict[int, Any] = {}
+
+
+def _compiled(size: int) -> Any:
+    if size not in _COMPILED:
+        providers = grammar_providers()
+        if not providers:
+            pytest.skip("no grammar provider is installed")
+        tokens = [b"</s>", *(bytes([c]) for c in range(97, 123)), b"ab", b"bc"]
+        v = Vocab(tokens, eos_ids=(0,), vocab_size=size)
+        _COMPILED[size] = grammar_provider(providers[0], v).compile(GrammarSpec("regex", "[a-c]{1,4}"))
+    return _COMPILED[size]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    size=st.sampled_from([29, 31, 32, 64, 69, 100]),
+    reqs=st.lists(
+        st.tuples(
+            st.lists(st.sampled_from([0, 1, 2, 3, 4, 27, 28, 5]), max_size=5),
+            st.sampled_from(["", "fill", "fill:dead", "accept", "rollback"]),
+            st.integers(1, 4),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+)
+def test_fill_windows_serially_equals_the_general_serial_producer(size: int, reqs: list[Any]) -> None:
+    compiled = _compiled(size)
+    v = compiled.matcher().vocab
+    n = len(reqs)
+    windows = [list(w) for w, *_ in reqs]
+
+    def matchers() -> list[Any]:
+        out: list[Any] = []
+        for _w, fault, at, advanced in reqs:
+            m = compiled.matcher()
+            if advanced:
+                m.accept(1)  # "a": some requests start inside the grammar
+            out.append(_Wrapped(m, fault, at) if fault else m)
+        return out
+
+    ids = [f"r{i}" for i in range(n)]
+    counts = np.array([len(w) for w in windows], dtype=np.int64)
+    total = int(counts.sum()) + n
+    want = torch.full((total + 1, v.mask_words), 0x5A5A5A5A, dtype=torch.int32)
+    got = want.clone()
+    ref_ms, fast_ms = matchers(), matchers()
+    flat = np.array([t for w in windows for t in w], dtype=np.int64)
+    ref = fill_draft_masks(
+        ref_ms, flat, want, GrammarRows(ids), ScheduledLayout(ids, counts, np.ones(n, np.int64)), strategy="serial"
+    )
+    row0 = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(int).tolist()
+    dm = fill_windows_serially(fast_ms, windows, row0, got, total)
+    assert torch.equal(got, want)
+    assert dm.request.tolist() == ref.request.tolist()
+    assert dm.acceptable.tolist() == ref.acceptable.tolist()
+    assert dm.forced.shape == ref.forced.shape and dm.forced.tolist() == ref.forced.tolist()
+    assert {g: str(e) for g, e in dm.failed.items()} == {g: str(e) for g, e in ref.failed.items()}
+    # Every matcher that did not fail is back where it started, on both paths alike.
+    for g, (a, b) in enumerate(zip(ref_ms, fast_ms, strict=True)):
+        if g not in ref.failed:
+            assert a.is_terminated() == b.is_terminated()
+            assert a.validate([1, 2, 3]) == b.validate([1, 2, 3])

@@ -1,0 +1,258 @@
+"""The serial walk of checked draft windows, for an engine's hot path with a few requests.
+
+:func:`walk_windows` writes the rows :func:`maskplug.fill_draft_masks` with
+``strategy="serial"`` writes and returns the same :class:`~maskplug.DraftMasks`,
+on windows its caller has checked. It exists for its fixed cost: at one
+request the general producer spent most of its time on the bookkeeping
+around four matcher calls (the walk's arrays, the plan, the assembly's
+passes). Here a step where every request is served keeps its bookkeeping in
+Python lists and completes the rows with one population count; the general
+bookkeeping (:class:`~maskplug.grammar.walks.Walk`) is built only when a
+matcher raises or a row allows nothing, and :func:`~maskplug.grammar.assembly.assemble`
+then completes the step exactly as the general producer does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from ..draftmasks import DraftMasks
+from .assembly import assemble
+from .bases import MatcherBase, plain_matcher_type
+from .fillargs import eos_sets
+from .protocols import Matcher
+from .recovery import restore_after_interrupt
+from .walks import Walk, fail_request, rollback_error
+
+__all__ = ["walk_windows"]
+
+IntArray = npt.NDArray[np.int64]
+
+# The bits at and above a vocabulary size inside a row of ``words`` int32 words, by (words, size).
+_HIGH_BITS: dict[tuple[int, int], npt.NDArray[np.uint32]] = {}
+
+
+def _high_bits(words: int, size: int) -> npt.NDArray[np.uint32]:
+    key = (words, size)
+    mask = _HIGH_BITS.get(key)
+    if mask is None:
+        f, r = divmod(size, 32)
+        mask = np.zeros(words, dtype=np.uint32)
+        mask[f:] = 0xFFFFFFFF
+        if r:
+            mask[f] = 0xFFFFFFFF ^ ((1 << r) - 1)
+        mask.flags.writeable = False
+        _HIGH_BITS[key] = mask
+    return mask
+
+
+_ARANGE: dict[int, IntArray] = {}
+
+
+def _arange(n: int) -> IntArray:
+    """``np.arange(n)`` as int64, read-only and shared (a result's ``request`` field)."""
+    a = _ARANGE.get(n)
+    if a is None:
+        a = np.arange(n, dtype=np.int64)
+        a.flags.writeable = False
+        if len(_ARANGE) < 1024:
+            _ARANGE[n] = a
+    return a
+
+
+def _general(
+    matchers: Sequence[Matcher],
+    windows: Sequence[Sequence[int]],
+    row0: Sequence[int],
+    bitmask: torch.Tensor,
+    total: int,
+    vocabs: Sequence[Any],
+    eos: Sequence[frozenset[int]],
+) -> Walk:
+    """The general producer's bookkeeping for these windows (no matcher is called)."""
+    g_count = len(matchers)
+    counts = np.fromiter((len(w) for w in windows), dtype=np.int64, count=g_count)
+    drafts = np.full((g_count, int(counts.max()) if g_count else 0), -1, dtype=np.int64)
+    for g, w in enumerate(windows):
+        if len(w):
+            drafts[g, : len(w)] = w
+    return Walk(
+        matchers,
+        drafts,
+        counts,
+        counts + 1,
+        np.zeros(g_count, dtype=np.int64),
+        np.array(row0, dtype=np.int64),
+        eos,
+        bitmask,
+        total,
+        vocabs,
+        {},
+        arg="drafts",
+    )
+
+
+def walk_windows(
+    matchers: Sequence[Matcher],
+    windows: Sequence[Sequence[int]],
+    row0: Sequence[int],
+    bitmask: torch.Tensor,
+    total: int,
+) -> DraftMasks:
+    """Walk each request's window serially and complete the step's rows; the matchers end where they started.
+
+    Same inputs, guarantees and result as
+    :func:`maskplug.engines.sdk.fill_windows_serially` (which claims the
+    matchers and calls this): request ``g``'s rows are ``row0[g]`` to
+    ``row0[g] + len(windows[g])``, the rows below ``total`` that no request
+    fills come out all-allowed, a request whose matcher raises or whose row
+    allows nothing fails alone with the stop-only rows.
+    """
+    g_count = len(matchers)
+    vocabs = [cast(Any, m).vocab for m in matchers]
+    eos = eos_sets(vocabs)
+    # Per request: the last row position its walk filled (-1: none) and the drafts the grammar accepts.
+    last = [-1] * g_count
+    acceptable = [len(w) for w in windows]
+    walk: Walk | None = None  # the general bookkeeping, once a request fails
+    g, took = 0, 0
+    try:
+        for g in range(g_count):
+            m = matchers[g]
+            if plain_matcher_type(type(m)):
+                base = cast(MatcherBase, m)
+                fill: Any = base._fill_row
+                accept: Any = base._accept_id
+            else:
+                fill, accept = m.fill, m.accept
+            d, e, r0 = windows[g], eos[g], row0[g]
+            nd = len(d)
+            took, p, filling, hi = 0, 0, True, -1
+            try:
+                for p in range(nd + 1):
+                    filling = True
+                    fill(bitmask, r0 + p)
+                    hi = p
+                    if p == nd:
+                        break
+                    t = d[p]
+                    filling = False
+                    if not accept(t):
+                        acceptable[g] = p
+                        break
+                    took += 1
+                    if t in e:
+                        acceptable[g] = p + 1
+                        break
+            except Exception as exc:
+                if walk is None:
+                    walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+                walk.accepted[g] = took
+                took = 0
+                doing = f"fill of row {p}" if filling else f"accept of drafts[{g}][{p}] = {d[p]}"
+                fail_request(walk, g, exc, f"in its {doing}")
+                continue
+            last[g] = hi
+            if took:
+                k, took = took, 0
+                try:
+                    if plain_matcher_type(type(m)):
+                        cast(MatcherBase, m)._rollback_walked(k)
+                    else:
+                        m.rollback(k)
+                except Exception as exc:
+                    if walk is None:
+                        walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+                    walk.alive[g] = False
+                    walk.errors[g] = rollback_error(g, k, exc)
+    except BaseException as exc:
+        # Interrupted: only request g can be advanced (the others were rolled back after their walks).
+        advanced = np.zeros(g_count, dtype=np.int64)
+        if g_count:
+            advanced[g] = took
+        restore_after_interrupt(matchers, advanced, exc)
+        raise
+    if walk is None:
+        width = max(len(w) for w in windows) + 1 if g_count else 0
+        done = _complete(bitmask, total, row0, last, acceptable, vocabs, width)
+        if done is not None:
+            return done
+        walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+    for i, hi in enumerate(last):
+        if hi >= 0 and i not in walk.errors:
+            walk.filled[i, : hi + 1] = True
+    walk.acceptable[:] = acceptable
+    return assemble(walk, np.arange(g_count, dtype=np.int64))
+
+
+def _complete(
+    bitmask: torch.Tensor,
+    total: int,
+    row0: Sequence[int],
+    last: list[int],
+    acceptable: list[int],
+    vocabs: Sequence[Any],
+    width: int,
+) -> DraftMasks | None:
+    """The result of a walk in which every request was served, its unfilled rows opened.
+
+    ``width`` is the widest window's row count (the ``forced`` matrix's columns).
+
+    ``None`` (nothing written) when the general assembly must decide: a
+    filled row allows no token of its vocabulary (that request fails), or
+    the requests' vocabularies differ in size.
+    """
+    g_count = len(last)
+    v0 = vocabs[0] if g_count else None
+    bm = bitmask.numpy()
+    words = int(bm.shape[1])
+    size = words * 32
+    if v0 is not None:
+        vs = int(v0.vocab_size)
+        if any(v is not v0 and int(v.vocab_size) != vs for v in vocabs):
+            return None
+        size = min(vs, size)
+    sub = bm[:total]
+    count = np.bitwise_count(sub.view(np.uint64) if words % 2 == 0 else sub.view(np.uint32)).sum(axis=1, dtype=np.int64)
+    if size < words * 32:
+        count_below = count - np.bitwise_count(sub.view(np.uint32) & _high_bits(words, size)).sum(
+            axis=1, dtype=np.int64
+        )
+        below = count_below.tolist()
+    else:
+        below = count.tolist()
+    spans = []
+    for g, hi in enumerate(last):
+        if hi >= 0:
+            r0 = row0[g]
+            if 0 in below[r0 : r0 + hi + 1]:
+                # A filled row that allows nothing makes its request fail: the general assembly's decision.
+                return None
+            spans.append((r0, r0 + hi + 1, g))
+    # Rows no request filled are all-allowed; the filled ones hold the grammar's masks.
+    spans.sort()
+    pos = 0
+    for a, b, _ in spans:
+        if a > pos:
+            sub[pos:a] = -1
+        pos = b
+    if pos < total:
+        sub[pos:total] = -1
+    # The single-token rows (rare: a forced token) are set one by one.
+    forced = np.zeros((g_count, width), dtype=bool)
+    whole = count.tolist() if size < words * 32 else below
+    for a, b, g in spans:
+        if 1 in whole[a:b]:
+            for p in range(b - a):
+                if whole[a + p] == 1:
+                    forced[g, p] = True
+    return DraftMasks(
+        request=_arange(g_count),
+        acceptable=np.array(acceptable, dtype=np.int64),
+        forced=forced,
+    )
