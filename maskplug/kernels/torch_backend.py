@@ -1,7 +1,11 @@
 """The built-in ``torch`` kernel backend: runs wherever torch does.
 
-CPU path: the live rows are known on the host, so only they are touched, a
-block of at most ``_CHUNK_ELEMS`` logits (a wide row) at a time. Each block
+CPU path: the live rows are known on the host, so only they are touched.
+Rows wider than ``_SMALL_ROW`` columns go to the numba kernel
+(:mod:`maskplug.kernels.cpu_numba`: one branch-free pass per row, about the
+cost of copying it) where numba is installed; otherwise, and for narrow rows,
+numpy works on them, a block of at most ``_CHUNK_ELEMS`` logits (a wide row)
+at a time. Each block
 expands its mask bytes into an integer keep-mask of the logits' width (``-1``
 keep, ``0`` drop), then rewrites the logits bit pattern branch-free:
 ``x = ((x ^ NINF) & keep) ^ NINF`` leaves kept values bit-identical (NaN
@@ -41,6 +45,7 @@ import numpy.typing as npt
 import torch
 
 from ..hookspecs import hookimpl
+from . import cpu_numba
 from .sdk import INT_VIEW, NINF_BITS, BackendBase, LaunchArgs, Launcher, launcher_from
 
 __all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
@@ -162,6 +167,10 @@ def _apply_rows_cpu(
     width = xi.shape[1]
     itype = xi.dtype
     if width == 0 or dst.size == 0:
+        return
+    if width > _SMALL_ROW and cpu_numba.available():
+        # One pass per row, whatever the mask (see maskplug.kernels.cpu_numba).
+        cpu_numba.mask_rows(xi, words, src, dst, vocab_size, mask_tail, ninf)
         return
     group = max(1, _CHUNK_ELEMS // width)
     if group == 1 or width >= 32 * _SPARSE_MIN_WORDS:
@@ -336,6 +345,17 @@ def mask_rows_cpu(
     xi = _int_view(logits, ibits)
     words = _int_view(bitmask, torch.int32)
     width = xi.shape[1]
+    if width > _SMALL_ROW and cpu_numba.available():
+        cpu_numba.mask_rows(
+            xi,
+            words,
+            np.fromiter((i for _, i in live), dtype=np.int64, count=len(live)),
+            np.fromiter((d for d, _ in live), dtype=np.int64, count=len(live)),
+            vocab_size,
+            mask_tail,
+            ninf,
+        )
+        return
     keep = _NO_KEEP if width <= _SMALL_ROW else _scratch(ninf.dtype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
     for d, i in live:
         _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)

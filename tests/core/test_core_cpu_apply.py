@@ -15,6 +15,7 @@ their masks). Logits are compared bit for bit through an integer view.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 
 import maskplug as mp
 from maskplug import reference
-from maskplug.kernels import torch_backend
+from maskplug.kernels import cpu_numba, torch_backend
 
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,16 +39,34 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 _KNOBS = ("_CHUNK_ELEMS", "_SMALL_ROW", "_SPARSE_MIN_WORDS", "_SPARSE_SHARE")
+#: The wide-row kernels this environment has: numpy always, numba where it imports.
+KERNELS = ("numpy", "numba") if cpu_numba._KERNEL is not None else ("numpy",)
 
 
 @contextmanager
-def knobs(chunk: int, small_row: int, sparse_min: int, sparse_share: int) -> Iterator[None]:
-    """Run the CPU path with blocks of at most ``chunk`` logits and the given one-row thresholds."""
+def kernel(name: str) -> Iterator[None]:
+    """Run the CPU path with the ``numpy`` or ``numba`` wide-row kernel."""
+    saved = os.environ.get(cpu_numba.CPU_KERNEL_ENV)
+    os.environ[cpu_numba.CPU_KERNEL_ENV] = name
+    try:
+        assert cpu_numba.kernel_name() == name
+        yield
+    finally:
+        if saved is None:
+            del os.environ[cpu_numba.CPU_KERNEL_ENV]
+        else:
+            os.environ[cpu_numba.CPU_KERNEL_ENV] = saved
+
+
+@contextmanager
+def knobs(chunk: int, small_row: int, sparse_min: int, sparse_share: int, kernel_name: str = "numpy") -> Iterator[None]:
+    """Run the CPU path with blocks of at most ``chunk`` logits, the given one-row thresholds and wide-row kernel."""
     saved = [getattr(torch_backend, k) for k in _KNOBS]
     for k, v in zip(_KNOBS, (chunk, small_row, sparse_min, sparse_share), strict=True):
         setattr(torch_backend, k, v)
     try:
-        yield
+        with kernel(kernel_name):
+            yield
     finally:
         for k, v in zip(_KNOBS, saved, strict=True):
             setattr(torch_backend, k, v)
@@ -114,6 +133,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         "small_row": draw(st.sampled_from([0, 16, 64, 1024])),
         "sparse_min": draw(st.sampled_from([1, 2, 64])),
         "sparse_share": draw(st.sampled_from([1, 2, 4])),
+        "kernel": draw(st.sampled_from(KERNELS)),
     }
 
 
@@ -125,7 +145,7 @@ def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     )
     base = case["wide"]
     before = base.clone()
-    with knobs(case["chunk"], case["small_row"], case["sparse_min"], case["sparse_share"]):
+    with knobs(case["chunk"], case["small_row"], case["sparse_min"], case["sparse_share"], case["kernel"]):
         mp.apply_grammar_bitmask(
             case["logits"],
             case["bitmask"],
@@ -153,6 +173,18 @@ def test_cpu_apply_same_under_any_thread_setting_and_leaves_it(case: dict[str, A
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
+        got = case["logits"].clone()
+        with knobs(1 << 17, case["small_row"], 64, 4, case["kernel"]):
+            mp.apply_grammar_bitmask(
+                got,
+                case["bitmask"],
+                case["mapping"],
+                case["cu"],
+                vocab_size=case["vocab_size"],
+                tail=case["tail"],
+                backend="torch",
+            )
+        assert torch.equal(bits(got), bits(expected))
         got = case["logits"].clone()
         mp.apply_grammar_bitmask(
             got,
@@ -185,9 +217,12 @@ def test_cpu_apply_on_a_tensor_that_requires_grad() -> None:
     assert int(torch.isneginf(expected).sum()) > 0  # the mask did drop something
 
 
+@pytest.mark.parametrize("kernel_name", KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tail", ["mask", "keep"])
-def test_wide_rows_at_the_real_thresholds_match_reference(dtype: torch.dtype, tail: Literal["mask", "keep"]) -> None:
+def test_wide_rows_at_the_real_thresholds_match_reference(
+    dtype: torch.dtype, tail: Literal["mask", "keep"], kernel_name: str
+) -> None:
     """Rows wide enough for every one-row way at the shipped sizes: mostly-0 words, mostly--1 words, random bits.
 
     Strided logits, a vocabulary that is not a multiple of 32, and two mask rows for one logits row.
@@ -215,13 +250,14 @@ def test_wide_rows_at_the_real_thresholds_match_reference(dtype: torch.dtype, ta
     expected = logits.clone()
     bitmask = torch.from_numpy(bm)
     reference.apply_grammar_bitmask(expected, bitmask, (request, position), cu, vocab_size=vocab, tail=tail)
-    for rows in (slice(0, 5), slice(0, 1), slice(1, 2), slice(2, 3)):  # the batch path and the few-row path
-        got = logits.clone()
-        want = logits.clone()
-        mapping = (request[rows], position[rows])
-        reference.apply_grammar_bitmask(want, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail)
-        mp.apply_grammar_bitmask(got, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail, backend="torch")
-        assert torch.equal(bits(got), bits(want))
-    mp.apply_grammar_bitmask(logits, bitmask, (request, position), cu, vocab_size=vocab, tail=tail, backend="torch")
+    with kernel(kernel_name):
+        for rows in (slice(0, 5), slice(0, 1), slice(1, 2), slice(2, 3)):  # the batch path and the few-row path
+            got = logits.clone()
+            want = logits.clone()
+            mapping = (request[rows], position[rows])
+            reference.apply_grammar_bitmask(want, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail)
+            mp.apply_grammar_bitmask(got, bitmask[rows], mapping, cu, vocab_size=vocab, tail=tail, backend="torch")
+            assert torch.equal(bits(got), bits(want))
+        mp.apply_grammar_bitmask(logits, bitmask, (request, position), cu, vocab_size=vocab, tail=tail, backend="torch")
     assert torch.equal(bits(logits), bits(expected))
     assert torch.equal(torch.cat([bits(wide[:, :20]), bits(wide[:, 20 + width :])], dim=1), outside)

@@ -1,0 +1,209 @@
+"""The vLLM adapter's mask rows per step, against the plain xgrammar loop vLLM 0.32 runs, interleaved.
+
+Runs in the vLLM environment from the repository root::
+
+    adapters/.venv-vllm/bin/python benchmarks/vllm_rows.py [--requests 1,4,16] [--drafts 0,3] [--rounds 7]
+
+The tiny model's tokenizer (vocabulary 640, as in ``vllm_overhead.py``),
+the structured workload's grammars (JSON schemas and regexes, vLLM's own
+unbounded whitespace) compiled by maskplug's xgrammar provider, ``n``
+requests each a few tokens into its grammar, and ``k`` drafts per request,
+about four in five of them allowed by the grammar. Two producers fill the
+same step on the same matchers:
+
+* ``maskplug``: the adapter's replacement of ``StructuredOutputManager.grammar_bitmask``
+  (binding, the small-batch producer, the step's :class:`~maskplug.DraftMasks`,
+  the checks that a row allows something);
+* ``loop``: what vLLM 0.32's own serial loop does per request (fill a row,
+  accept the draft, ..., roll back), written directly on xgrammar's
+  ``GrammarMatcher``: a lower bound of vLLM's own path, which adds its
+  per-request bookkeeping around the same calls.
+
+Each round times both, one after the other in alternating order, in CPU time
+of this thread per step (the fastest of five batches of ``--calls`` steps);
+the summary is the median over rounds of the per-round ratio. The rows both
+write are checked equal once per configuration (the rows after a refused
+draft are vLLM's copies on one side and open on the other; neither is
+applied, so only the rows up to the first refusal are compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import vllm_tiny as tiny
+from maskplug_vllm import scheduler as mp_sched
+from maskplug_vllm.backend import MaskplugBackend, MaskplugGrammar, vocab_from_tokenizer
+from transformers import AutoTokenizer
+
+from maskplug.grammar.sdk import GrammarSpec, grammar_provider
+
+
+def _spec(req: dict[str, Any]) -> GrammarSpec:
+    if req["kind"] == "json":
+        return GrammarSpec("json_schema", req["schema"], max_whitespace=None)
+    return GrammarSpec("regex", req["regex"])
+
+
+def _allowed(matcher: Any, bm: torch.Tensor, eos: set[int]) -> list[int]:
+    matcher.fill(bm, 0)
+    words = bm[0].tolist()
+    return [t for t in range(32 * len(words)) if (words[t // 32] >> (t % 32)) & 1 and t not in eos]
+
+
+def _step(compiled: list[Any], specs: list[GrammarSpec], vocab: Any, n: int, k: int, seed: int) -> Any:
+    rng = random.Random(seed)
+    eos = set(vocab.eos_ids)
+    bm = vocab.new_bitmask(1)
+    grammars = []
+    for i in range(n):
+        g = MaskplugGrammar(compiled[i % len(compiled)].matcher(), specs[i % len(specs)], vocab)
+        for _ in range(rng.randint(0, 6)):
+            ok = _allowed(g.matcher, bm, eos)
+            if not ok:
+                break
+            g.matcher.accept(rng.choice(ok))
+        grammars.append(g)
+    spec_tokens: dict[str, list[int]] = {}
+    for i, g in enumerate(grammars):
+        drafts: list[int] = []
+        took = 0
+        while len(drafts) < k:
+            ok = _allowed(g.matcher, bm, eos)
+            t = rng.choice(ok) if ok and rng.random() < 0.8 else rng.randrange(1, vocab.vocab_size)
+            drafts.append(t)
+            if took == len(drafts) - 1 and g.matcher.accept(t):
+                took += 1
+        if took:
+            g.matcher.rollback(took)
+        if k:
+            spec_tokens[f"r{i}"] = drafts
+    return grammars, [f"r{i}" for i in range(n)], spec_tokens
+
+
+def _loop(bitmask: torch.Tensor, grammars: list[Any], ids: list[str], spec: dict[str, list[int]]) -> int:
+    """vLLM 0.32's serial loop on xgrammar's own matchers: fill, accept, ..., copy after a refusal, roll back."""
+    idx = 0
+    for g, r in zip(grammars, ids, strict=True):
+        raw = g.matcher.raw
+        toks = spec.get(r, [])
+        took, failed = 0, -1
+        for t in toks:
+            if failed >= 0:
+                bitmask[idx].copy_(bitmask[failed])
+            else:
+                raw.fill_next_token_bitmask(bitmask, idx)
+                if not raw.is_terminated():
+                    if raw.accept_token(t):
+                        took += 1
+                    else:
+                        failed = idx
+            idx += 1
+        if failed >= 0:
+            bitmask[idx].copy_(bitmask[failed])
+        else:
+            raw.fill_next_token_bitmask(bitmask, idx)
+        idx += 1
+        if took:
+            raw.rollback(took)
+    return idx
+
+
+def _manager(vocab: Any, k: int) -> tuple[Any, Any]:
+    backend = MaskplugBackend.__new__(MaskplugBackend)
+    backend.vocab = vocab
+    ns = types.SimpleNamespace
+    cfg = ns(num_speculative_tokens=k, scheduler_config=ns(max_num_seqs=64), model_config=ns(is_diffusion=False))
+    mgr = ns(backend=backend, reasoner_cls=None, enable_in_reasoning=False, vllm_config=cfg, _grammar_bitmask=None)
+    return mgr, mp_sched.make_grammar_bitmask(lambda *a: None)
+
+
+def _time(fn: Any, calls: int) -> float:
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.thread_time_ns()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time_ns() - t0) / calls / 1e3)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", default="1,4,16")
+    p.add_argument("--drafts", default="0,3")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=2000, help="steps per timed batch (default: %(default)s)")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="maskplug-rows-") as tmp:
+        model = tiny.build_model(Path(tmp) / "model")
+        tok = AutoTokenizer.from_pretrained(str(model))
+    vocab = vocab_from_tokenizer(tok, 640)
+    prov = grammar_provider("xgrammar", vocab)
+    reqs = tiny.structured_workload(32, 0)
+    specs = [_spec(r) for r in reqs]
+    compiled = [prov.compile(s) for s in specs]
+    print(f"vocabulary 640, xgrammar, {len(compiled)} grammars; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"{'n':>4} {'k':>3} {'maskplug µs':>12} {'loop µs':>9} {'ratio (median, min-max)':>26}")
+    for n in [int(x) for x in a.requests.split(",")]:
+        for k in [int(x) for x in a.drafts.split(",")]:
+            grammars, ids, spec = _step(compiled, specs, vocab, n, k, seed=n * 100 + k)
+            mgr, fill = _manager(vocab, k)
+            requests = {
+                r: types.SimpleNamespace(request_id=r, structured_output_request=types.SimpleNamespace(grammar=g))
+                for r, g in zip(ids, grammars, strict=True)
+            }
+
+            def ours(
+                mgr: Any = mgr, fill: Any = fill, requests: Any = requests, ids: Any = ids, spec: Any = spec
+            ) -> Any:
+                return fill(mgr, requests, ids, spec)
+
+            ours()
+            theirs_bm = vocab.new_bitmask(n * (k + 1))
+
+            def theirs(bm: Any = theirs_bm, grammars: Any = grammars, ids: Any = ids, spec: Any = spec) -> int:
+                return _loop(bm, grammars, ids, spec)
+
+            # Same rows up to each request's first refused draft (the rest is never applied).
+            got = ours()
+            theirs()
+            row = 0
+            for g, r in enumerate(ids):
+                d = spec.get(r, [])
+                upto = len(d) + 1
+                acc = int(mgr._maskplug_draft_masks[1].acceptable[g])
+                upto = min(upto, acc + 1)
+                if not (torch.from_numpy(got[row : row + upto]) == theirs_bm[row : row + upto]).all():
+                    raise SystemExit(f"n={n} k={k}: request {g}'s rows differ from the loop's")
+                row += len(d) + 1
+            ratios, mine, base = [], [], []
+            for rnd in range(a.rounds):
+                pair = (ours, theirs) if rnd % 2 == 0 else (theirs, ours)
+                t = {fn: _time(fn, a.calls) for fn in pair}
+                mine.append(t[ours])
+                base.append(t[theirs])
+                ratios.append(t[ours] / t[theirs])
+            print(
+                f"{n:>4} {k:>3} {statistics.median(mine):>12.1f} {statistics.median(base):>9.1f} "
+                f"{statistics.median(ratios):>10.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                flush=True,
+            )
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
