@@ -1,7 +1,8 @@
 """The built-in ``torch`` kernel backend: runs wherever torch does.
 
 CPU path: the live rows are known on the host, so only they are touched.
-Rows wider than ``_SMALL_ROW`` columns go to the numba kernel
+Rows wider than ``_SMALL_ROW`` columns, and every row of a batch of more
+than ``FEW_ROWS`` mask rows, go to the numba kernel
 (:mod:`maskplug.kernels.cpu_numba`: one branch-free pass per row, about the
 cost of copying it) where numba is installed; otherwise, and for narrow rows,
 numpy works on them, a block of at most ``_CHUNK_ELEMS`` logits (a wide row)
@@ -168,8 +169,9 @@ def _apply_rows_cpu(
     itype = xi.dtype
     if width == 0 or dst.size == 0:
         return
-    if width > _SMALL_ROW and cpu_numba.available():
-        # One pass per row, whatever the mask (see maskplug.kernels.cpu_numba).
+    if cpu_numba.available():
+        # One pass per row, whatever the mask (see maskplug.kernels.cpu_numba); narrow rows too: one
+        # call for the batch instead of a handful of numpy calls per block.
         cpu_numba.mask_rows(xi, words, src, dst, vocab_size, mask_tail, ninf)
         return
     group = max(1, _CHUNK_ELEMS // width)

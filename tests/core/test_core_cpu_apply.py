@@ -40,7 +40,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 _KNOBS = ("_CHUNK_ELEMS", "_SMALL_ROW", "_SPARSE_MIN_WORDS", "_SPARSE_SHARE")
 #: The wide-row kernels this environment has: numpy always, numba where it imports.
-KERNELS = ("numpy", "numba") if cpu_numba._KERNEL is not None else ("numpy",)
+KERNELS = ("numpy", "numba") if cpu_numba.installed() else ("numpy",)
 
 
 @contextmanager

@@ -14,6 +14,7 @@ import torch
 import maskplug
 from maskplug import reset_registry
 from maskplug.cli import main
+from maskplug.kernels import cpu_numba
 from maskplug.plugins import BUILTIN_PLUGINS, get_registry
 
 PLUGIN_KEYS = {"name", "distribution", "version", "hooks", "error"}
@@ -71,7 +72,8 @@ def fake_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
 def _plugins_json(capsys: pytest.CaptureFixture[str], expect_rc: int = 0) -> dict[str, Any]:
     assert main(["plugins", "--json"]) == expect_rc
     obj = json.loads(capsys.readouterr().out)
-    assert set(obj) == {"plugins", "provides"}
+    assert set(obj) == {"plugins", "provides", "cpu_kernel"}
+    assert obj["cpu_kernel"] == cpu_numba.kernel_name() and obj["cpu_kernel"] in ("numba", "numpy")
     assert set(obj["provides"]) == PROVIDES_KEYS
     for row in obj["plugins"]:
         assert set(row) == PLUGIN_KEYS
