@@ -23,11 +23,10 @@ import torch
 
 from ..draftmasks import DraftMasks
 from .assembly import assemble
-from .bases import MatcherBase, plain_matcher_type
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
-from .walks import Walk, fail_request, rollback_error
+from .walks import Walk, fail_request, rollback_error, rollback_walked, walk_calls
 
 __all__ = ["walk_windows"]
 
@@ -124,12 +123,7 @@ def walk_windows(
     try:
         for g in range(g_count):
             m = matchers[g]
-            if plain_matcher_type(type(m)):
-                base = cast(MatcherBase, m)
-                fill: Any = base._fill_row
-                accept: Any = base._accept_id
-            else:
-                fill, accept = m.fill, m.accept
+            fill, accept = walk_calls(m)
             d, e, r0 = windows[g], eos[g], row0[g]
             nd = len(d)
             took, p, filling, hi = 0, 0, True, -1
@@ -161,10 +155,7 @@ def walk_windows(
             if took:
                 k, took = took, 0
                 try:
-                    if plain_matcher_type(type(m)):
-                        cast(MatcherBase, m)._rollback_walked(k)
-                    else:
-                        m.rollback(k)
+                    rollback_walked(m, k)
                 except Exception as exc:
                     if walk is None:
                         walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)

@@ -38,8 +38,10 @@ __all__ = [
     "redo_serially",
     "rollback_error",
     "rollback_request",
+    "rollback_walked",
     "unwind",
     "walk_batched",
+    "walk_calls",
     "walk_chains",
     "walk_one",
 ]
@@ -184,12 +186,7 @@ def walk_one(w: Walk, g: int) -> None:
     driven through their unchecked forms (:func:`~maskplug.grammar.bases.plain_matcher_type`).
     """
     m = w.matchers[g]
-    if plain_matcher_type(type(m)):
-        base = cast(MatcherBase, m)
-        fill: Any = base._fill_row
-        accept: Any = base._accept_id
-    else:
-        fill, accept = m.fill, m.accept
+    fill, accept = walk_calls(m)
     eos, bitmask = w.eos[g], w.bitmask
     nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
     d: list[int] = w.d[g, :nd].tolist() if nd else []
@@ -247,15 +244,27 @@ def rollback_request(w: Walk, g: int, k: int | None = None) -> None:
     w.accepted[g] = 0
     if k <= 0:
         return
-    m = w.matchers[g]
     try:
-        if plain_matcher_type(type(m)):
-            cast(MatcherBase, m)._rollback_walked(k)
-        else:
-            m.rollback(k)
+        rollback_walked(w.matchers[g], k)
     except Exception as exc:
         w.alive[g] = False
         w.errors[g] = rollback_error(g, k, exc)
+
+
+def walk_calls(m: Matcher) -> tuple[Any, Any]:
+    """The ``fill`` and ``accept`` a walk calls on checked inputs: the unchecked forms where the class keeps the public ones."""
+    if plain_matcher_type(type(m)):
+        base = cast(MatcherBase, m)
+        return base._fill_row, base._accept_id
+    return m.fill, m.accept
+
+
+def rollback_walked(m: Matcher, k: int) -> None:
+    """Undo the ``k`` drafts a walk accepted (an int, at most what it accepted), unchecked where the class allows."""
+    if plain_matcher_type(type(m)):
+        cast(MatcherBase, m)._rollback_walked(k)
+    else:
+        m.rollback(k)
 
 
 def rollback_error(g: int, k: int, exc: Exception) -> GrammarError:

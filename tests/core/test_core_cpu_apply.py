@@ -137,6 +137,19 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     }
 
 
+def apply_case(case: dict[str, Any], logits: torch.Tensor) -> None:
+    """``case``'s masks applied to ``logits`` by the torch backend."""
+    mp.apply_grammar_bitmask(
+        logits,
+        case["bitmask"],
+        case["mapping"],
+        case["cu"],
+        vocab_size=case["vocab_size"],
+        tail=case["tail"],
+        backend="torch",
+    )
+
+
 @given(cases())
 def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     expected = case["logits"].clone()
@@ -146,15 +159,7 @@ def test_cpu_blocks_match_reference(case: dict[str, Any]) -> None:
     base = case["wide"]
     before = base.clone()
     with knobs(case["chunk"], case["small_row"], case["sparse_min"], case["sparse_share"], case["kernel"]):
-        mp.apply_grammar_bitmask(
-            case["logits"],
-            case["bitmask"],
-            case["mapping"],
-            case["cu"],
-            vocab_size=case["vocab_size"],
-            tail=case["tail"],
-            backend="torch",
-        )
+        apply_case(case, case["logits"])
     assert torch.equal(bits(case["logits"]), bits(expected))
     # Columns of the padded storage outside the view are untouched.
     start = case["logits"].storage_offset() - base.storage_offset()
@@ -175,26 +180,10 @@ def test_cpu_apply_same_under_any_thread_setting_and_leaves_it(case: dict[str, A
     try:
         got = case["logits"].clone()
         with knobs(1 << 17, case["small_row"], 64, 4, case["kernel"]):
-            mp.apply_grammar_bitmask(
-                got,
-                case["bitmask"],
-                case["mapping"],
-                case["cu"],
-                vocab_size=case["vocab_size"],
-                tail=case["tail"],
-                backend="torch",
-            )
+            apply_case(case, got)
         assert torch.equal(bits(got), bits(expected))
         got = case["logits"].clone()
-        mp.apply_grammar_bitmask(
-            got,
-            case["bitmask"],
-            case["mapping"],
-            case["cu"],
-            vocab_size=case["vocab_size"],
-            tail=case["tail"],
-            backend="torch",
-        )
+        apply_case(case, got)
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(saved)
