@@ -40,18 +40,21 @@ def _sizes(vocabs: Sequence[Any], g_count: int, words: int) -> int | IntArray:
     return np.minimum(np.asarray(size_of, dtype=np.int64), words * 32)
 
 
-def row_counts(bitmask: torch.Tensor, total: int, rows: IntArray, sizes: int | IntArray) -> tuple[IntArray, IntArray]:
+def row_counts(
+    bitmask: torch.Tensor, total: int, rows: IntArray | None, sizes: int | IntArray
+) -> tuple[IntArray, IntArray]:
     """Allowed tokens in each listed bitmask row: over the whole row, and over the bits below ``sizes``.
 
-    ``rows`` are distinct rows below ``total``; ``sizes`` is one
-    vocabulary size for all of them or one per row (at most the row's bits).
-    One population count over the rows (no copy when they are all the
-    rows), one more over the words a vocabulary ends inside.
+    ``rows`` are distinct rows below ``total`` (``None``: every row below
+    it, in order); ``sizes`` is one vocabulary size for all of them or one
+    per row (at most the row's bits). One population count over the rows
+    (no copy when they are all the rows), one more over the words a
+    vocabulary ends inside.
     """
     words32 = bitmask.numpy()[:total]
     n_words = words32.shape[1]
-    whole = rows.shape[0] == total and (total < 2 or bool((rows[1:] > rows[:-1]).all()))
-    sub = words32 if whole else words32[rows]
+    whole = rows is None or (rows.shape[0] == total and (total < 2 or bool((rows[1:] > rows[:-1]).all())))
+    sub = words32 if whole else words32[rows]  # type: ignore[index]
     wide = sub.view(np.uint64) if n_words % 2 == 0 else sub.view(np.uint32)
     count = np.bitwise_count(wide).sum(axis=1, dtype=np.int64)
     per_row = not isinstance(sizes, int)

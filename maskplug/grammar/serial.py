@@ -22,7 +22,7 @@ import numpy.typing as npt
 import torch
 
 from ..draftmasks import DraftMasks
-from .assembly import assemble
+from .assembly import assemble, row_counts
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
@@ -31,24 +31,6 @@ from .walks import Walk, fail_request, rollback_error, rollback_walked, walk_cal
 __all__ = ["walk_windows"]
 
 IntArray = npt.NDArray[np.int64]
-
-# The bits at and above a vocabulary size inside a row of ``words`` int32 words, by (words, size).
-_HIGH_BITS: dict[tuple[int, int], npt.NDArray[np.uint32]] = {}
-
-
-def _high_bits(words: int, size: int) -> npt.NDArray[np.uint32]:
-    key = (words, size)
-    mask = _HIGH_BITS.get(key)
-    if mask is None:
-        f, r = divmod(size, 32)
-        mask = np.zeros(words, dtype=np.uint32)
-        mask[f:] = 0xFFFFFFFF
-        if r:
-            mask[f] = 0xFFFFFFFF ^ ((1 << r) - 1)
-        mask.flags.writeable = False
-        _HIGH_BITS[key] = mask
-    return mask
-
 
 _ARANGE: dict[int, IntArray] = {}
 
@@ -209,14 +191,8 @@ def _complete(
             return None
         size = min(vs, size)
     sub = bm[:total]
-    count = np.bitwise_count(sub.view(np.uint64) if words % 2 == 0 else sub.view(np.uint32)).sum(axis=1, dtype=np.int64)
-    if size < words * 32:
-        count_below = count - np.bitwise_count(sub.view(np.uint32) & _high_bits(words, size)).sum(
-            axis=1, dtype=np.int64
-        )
-        below = count_below.tolist()
-    else:
-        below = count.tolist()
+    count, below_arr = row_counts(bitmask, total, None, size)
+    below = below_arr.tolist()
     spans = []
     for g, hi in enumerate(last):
         if hi >= 0:
@@ -236,7 +212,7 @@ def _complete(
         sub[pos:total] = -1
     # The single-token rows (rare: a forced token) are set one by one.
     forced = np.zeros((g_count, width), dtype=bool)
-    whole = count.tolist() if size < words * 32 else below
+    whole = count.tolist() if below_arr is not count else below
     for a, b, g in spans:
         if 1 in whole[a:b]:
             for p in range(b - a):
