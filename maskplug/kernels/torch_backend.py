@@ -314,6 +314,27 @@ def _apply_row_cpu(
             x[c0 + nbits : c1] = ninf
 
 
+def _apply_run_cpu(
+    x: npt.NDArray[Any], words: npt.NDArray[np.int32], vocab_size: int, mask_tail: bool, ninf: np.signedinteger[Any]
+) -> None:
+    """Mask narrow logits rows ``x[j]`` (``<= _SMALL_ROW`` columns, an integer view) with ``words[j]``, all at once.
+
+    What :func:`_apply_row_cpu` writes row by row, as one masked store.
+    """
+    width = x.shape[1]
+    n = min(vocab_size, width)
+    if n:
+        nw = (n + 31) // 32
+        w = words if words.shape[1] == nw else words[:, :nw]
+        drop = _DROP_BITS.take(w.view(np.uint8)).view(np.bool_)
+        if n == width == drop.shape[1]:
+            x[drop] = ninf
+        else:
+            x[:, :n][drop[:, :n]] = ninf
+    if mask_tail and n < width:
+        x[:, n:] = ninf
+
+
 def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tuple[int, int]] | None:
     """``(logits row, mask row)`` of every live mask row, by logits row; ``None`` if two share a logits row.
 
@@ -358,6 +379,13 @@ def mask_rows_cpu(
             ninf,
         )
         return
+    if width <= _SMALL_ROW and len(live) > 1:
+        # A request's drafts and bonus: mask rows i0.. onto logits rows d0.., in one masked store.
+        d0, i0 = live[0]
+        m = len(live)
+        if live[-1] == (d0 + m - 1, i0 + m - 1) and all(d == d0 + j and i == i0 + j for j, (d, i) in enumerate(live)):
+            _apply_run_cpu(xi[d0 : d0 + m], words[i0 : i0 + m], vocab_size, mask_tail, ninf)
+            return
     keep = _NO_KEEP if width <= _SMALL_ROW else _scratch(ninf.dtype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
     for d, i in live:
         _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)

@@ -84,17 +84,23 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     # Mask rows aim anywhere: live rows, trimmed positions, unused rows, and repeats of one target.
     request = rng.integers(-1, n, size=nrows).astype(np.int32)
     position = rng.integers(0, 6, size=nrows).astype(np.int32)
-    shape = draw(st.sampled_from(["scattered", "repeats", "shuffled"]))
+    shape = draw(st.sampled_from(["scattered", "repeats", "shuffled", "in order"]))
     if shape == "repeats" and nrows > 1:
         request[1::2], position[1::2] = request[0], position[0]
-    elif shape == "shuffled" and cu[-1] > 0:
-        # Every live row once, in shuffled order: mask rows out of order onto consecutive logits rows.
+    elif shape in ("shuffled", "in order") and cu[-1] > 0:
+        # Every live row once, in shuffled order (mask rows out of order onto consecutive logits rows),
+        # or in logits order from some row on (an engine's own layout: consecutive runs of rows).
         live = [(r, p) for r in range(n) for p in range(int(sizes[r]))]
-        pick = rng.permutation(len(live))[:nrows]
+        if shape == "shuffled":
+            pick = rng.permutation(len(live))[:nrows]
+        else:
+            pick = np.arange(int(rng.integers(0, len(live))), len(live))[:nrows]
         request = np.array([live[i][0] for i in pick], dtype=np.int32)
         position = np.array([live[i][1] for i in pick], dtype=np.int32)
         nrows = request.size
     width = draw(st.integers(1, 200))
+    if draw(st.booleans()):
+        width = 32 * ((width + 31) // 32)  # whole mask words: rows the mask decides exactly
     if draw(st.booleans()):
         grammar_vocab = draw(st.integers(1, width))
         vocab_size: int | None = grammar_vocab

@@ -75,7 +75,7 @@ import importlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -254,17 +254,72 @@ def make_scheduler(name: str) -> Scheduler:
 # -- per-step bookkeeping -------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
 class _Plan:
-    """One step as planned in the engine core, before the forward pass."""
+    """One step as planned in the engine core, before the forward pass.
 
-    layout: ScheduledLayout
-    budget: int
-    capacity: npt.NDArray[np.int64]
-    regime: str
-    structured: bool
-    num_grammar: int
-    finished: list[str]
+    ``layout`` and ``capacity`` are built on first use for a ``verify-all``
+    step (:meth:`all_drafts`): its outcome needs only the scheduler output's
+    own dicts, and at one request the arrays cost more than the rest of the
+    plan.
+    """
+
+    __slots__ = ("_capacity", "_layout", "_nst", "_spec", "budget", "finished", "num_grammar", "regime", "structured")
+
+    def __init__(
+        self,
+        layout: ScheduledLayout | None,
+        budget: int,
+        capacity: npt.NDArray[np.int64] | None,
+        regime: str,
+        structured: bool,
+        num_grammar: int,
+        finished: list[str],
+    ) -> None:
+        self._layout = layout
+        self.budget = budget
+        self._capacity = capacity
+        self.regime = regime
+        self.structured = structured
+        self.num_grammar = num_grammar
+        self.finished = finished
+        self._nst: Mapping[str, int] | None = None
+        self._spec: Mapping[str, Sequence[int]] | None = None
+
+    @classmethod
+    def all_drafts(
+        cls,
+        nst: Mapping[str, int],
+        spec: Mapping[str, Sequence[int]],
+        total: int,
+        structured: bool,
+        num_grammar: int,
+        finished: list[str],
+    ) -> _Plan:
+        """A step that verifies every scheduled draft (``nst``/``spec``: the scheduler output's dicts)."""
+        plan = cls(None, total, None, "full", structured, num_grammar, finished)
+        plan._nst = nst
+        plan._spec = spec
+        return plan
+
+    @property
+    def layout(self) -> ScheduledLayout:
+        if self._layout is None:
+            assert self._nst is not None and self._spec is not None
+            ids = list(self._nst)
+            nd = draft_counts(ids, self._spec)
+            nn = np.fromiter(self._nst.values(), dtype=np.int64, count=len(ids)) - nd
+            self._layout = ScheduledLayout(ids, nd, nn)
+        return self._layout
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._nst) if self._layout is None and self._nst is not None else self.layout.n
+
+    @property
+    def capacity(self) -> npt.NDArray[np.int64]:
+        if self._capacity is None:
+            self._capacity = self.layout.num_drafts.copy()
+        return self._capacity
 
 
 def _new_stats() -> dict[str, Any]:
@@ -354,6 +409,8 @@ class _Controller:
         """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, list[int]] = so.scheduled_spec_decode_tokens
+        if self.verifies_all:
+            return self._plan_all(so, nst, spec, grammar_output)
         ids = list(nst)
         nd = draft_counts(ids, spec)
         nn = np.fromiter(nst.values(), dtype=np.int64, count=len(ids)) - nd
@@ -365,8 +422,6 @@ class _Controller:
         if total == 0:
             return _Plan(layout, 0, np.zeros(layout.n, dtype=np.int64), "full", False, len(gids), finished)
         structured = bool(gids) and bool(np.any(nd[layout.indices_of(gids)] > 0))
-        if self.verifies_all:
-            return _Plan(layout, total, nd.copy(), "full", structured, len(gids), finished)
         dm = _draft_masks_for(layout, grammar_output)
         stale, live = self.confidences.for_step(ids, spec)
         view = StepView(layout, self.cost, grammar=dm, confidences=stale)
@@ -383,6 +438,27 @@ class _Controller:
         comp = compact(layout, b, capacity)
         setattr(so, VERIFY_STEP_ATTR, _verify_step(so, layout, capacity, comp))
         return _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
+
+    def _plan_all(self, so: Any, nst: Mapping[str, int], spec: Mapping[str, list[int]], grammar_output: Any) -> _Plan:
+        """:meth:`plan` for the built-in ``verify-all``: every draft kept, nothing attached, no arrays.
+
+        The same plan as the general path's (its layout and capacities are
+        built if something asks for them); what a step costs here is the
+        scheduler output's dicts read once.
+        """
+        finished = list(so.finished_req_ids) if so.finished_req_ids else []
+        if finished:
+            self.confidences.forget(finished)
+        total = 0
+        for r, d in spec.items():
+            if d and r in nst:
+                total += len(d)
+        gids: Sequence[str] = grammar_output.structured_output_request_ids if grammar_output is not None else ()
+        structured = False
+        if total:
+            get = spec.get
+            structured = any(get(g) for g in gids)
+        return _Plan.all_drafts(nst, spec, total, structured, len(gids), finished)
 
     def _split(self, view: StepView, budget: int, live: npt.NDArray[np.float64] | None) -> npt.NDArray[np.int64]:
         """Per-request capacities for ``budget``.
@@ -430,17 +506,35 @@ class _Controller:
     def finish(self, plan: _Plan, output: Any) -> None:
         sampled = getattr(output, "sampled_token_ids", None) or []
         index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
-        lay = plan.layout
-        ids = lay.req_ids.tolist()
         num_sampled = len(sampled)
         get = index.get
+        nst = plan._nst
+        if nst is not None and self.verifies_all:
+            # Nothing to tell the scheduler; only the counters need the accepted drafts, read off
+            # the scheduler output's own dicts (every request verified all its drafts).
+            spec = plan._spec
+            assert spec is not None
+            num_emitted = num_accepted = 0
+            for r in nst:
+                j = get(r)
+                if j is None or j >= num_sampled:
+                    continue
+                e = len(sampled[j])
+                num_emitted += e
+                if e > 1:
+                    d = spec.get(r)
+                    if d:
+                        num_accepted += min(e - 1, len(d))
+            self._count(plan, num_emitted, num_accepted, None)
+            return
+        lay = plan.layout
+        ids = lay.req_ids.tolist()
         emitted_list = []
         for r in ids:
             j = get(r)
             emitted_list.append(len(sampled[j]) if j is not None and j < num_sampled else 0)
         num_emitted = sum(emitted_list)
         if self.verifies_all:
-            # Nothing to tell the scheduler; only the counters need the accepted drafts.
             caps = plan.capacity.tolist()
             num_accepted = sum(min(e - 1, c) for e, c in zip(emitted_list, caps, strict=True) if e > 0 and c > 0)
         else:
@@ -456,11 +550,17 @@ class _Controller:
             )
             self.scheduler.observe(outcome)
             num_accepted = int(accepted.sum())
+        self._count(plan, num_emitted, num_accepted, lay.total_drafts)
+
+    def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
+        """Add a finished step to the counters and metrics, and tell ``maskplug_step_end`` listeners."""
+        if scheduled is None:
+            scheduled = plan.budget  # a verify-all step: every scheduled draft verified
         with self.lock:
             st = self.stats
             step = st["steps"]
             st["steps"] += 1
-            st["drafts_scheduled"] += lay.total_drafts
+            st["drafts_scheduled"] += scheduled
             st["drafts_verified"] += plan.budget
             st["drafts_accepted"] += num_accepted
             st["tokens_emitted"] += num_emitted
@@ -476,9 +576,9 @@ class _Controller:
             {
                 "step": step,
                 "scheduler": self.name,
-                "num_requests": lay.n,
+                "num_requests": plan.num_requests,
                 "num_grammar_requests": plan.num_grammar,
-                "scheduled_drafts": lay.total_drafts,
+                "scheduled_drafts": scheduled,
                 "budget": plan.budget,
                 "regime": plan.regime,
                 "structured": plan.structured,
@@ -546,10 +646,13 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         grammar_output = orig_grammar(self, so)
         produced = getattr(manager, DRAFT_MASKS_ATTR, None)
         setattr(manager, DRAFT_MASKS_ATTR, None)
-        if grammar_output is not None and produced is not None:
+        attached = False
+        if grammar_output is not None and produced is not None and not ctl.verifies_all:
+            # (verify-all reads no draft masks.)
             gids, dm = produced
             if list(gids) == list(grammar_output.structured_output_request_ids):
                 setattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT, dm)
+                attached = True
         if ctl.metrics is None:
             ctl.metrics = _open_metrics(self, ctl.name)
         plan = None
@@ -558,7 +661,7 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         else:
             # vLLM's last step of a batch may only announce finished requests: pass them on.
             ctl.forget(so.finished_req_ids)
-        if grammar_output is not None and hasattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT):
+        if attached:
             # The draft masks stay in this process: workers get vLLM's own grammar output.
             delattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT)
         pending = _pending(self)

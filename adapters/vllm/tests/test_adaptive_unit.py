@@ -526,7 +526,7 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
         plans = [fast.plan(so, go), general.plan(so, go)]
         a, b = plans
         assert (a.budget, a.regime, a.structured, a.num_grammar) == (b.budget, b.regime, b.structured, b.num_grammar)
-        assert a.capacity.tolist() == b.capacity.tolist() == nd.tolist()
+        assert a.num_requests == b.num_requests == len(ids)
         assert not hasattr(so, adaptive.VERIFY_STEP_ATTR)  # every draft verified: vLLM's output runs as it is
         order = list(rng.permutation(len(ids)))
         sampled: list[list[int]] = [[] for _ in ids]
@@ -534,8 +534,14 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
             # Some requests emit nothing (a finished or preempted one), the rest 1 + accepted.
             if rng.random() < 0.9:
                 sampled[order[i]] = [3] * (int(rng.integers(0, nd[i] + 1)) + 1)
-        out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={r: order[i] for i, r in enumerate(ids)})
+        index = {r: order[i] for i, r in enumerate(ids)}
+        if rng.random() < 0.3:
+            del index[ids[int(rng.integers(0, len(ids)))]]  # a request the runner no longer holds
+        out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index)
         fast.finish(a, out)
         general.finish(b, out)
+        # The fast plan builds its layout only when asked (after its outcome here): the same one.
+        assert a.capacity.tolist() == b.capacity.tolist() == nd.tolist()
+        assert a.layout.req_ids.tolist() == b.layout.req_ids.tolist()
     assert fast.stats == general.stats
     assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
