@@ -182,6 +182,6 @@ def make_grammar_bitmask(
         if record is not None:
             setattr(self, record, (ids, dm))
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
-        return self._grammar_bitmask[:total].numpy()
+        return self._grammar_bitmask.numpy()[:total]
 
     return grammar_bitmask

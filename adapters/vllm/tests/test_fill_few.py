@@ -229,3 +229,26 @@ class _Bare:
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+
+
+def test_a_buffer_changed_in_place_is_checked_again(setup: Any) -> None:
+    """The bitmask check is remembered per buffer; a resize in place, a view or too few rows are checked anew."""
+    (ms, _), ids, spec, _ = _step(setup, 11)
+    words = ms[0].vocab.mask_words
+    rows = len(ids) + sum(len(v) for v in spec.values())
+    bm = torch.zeros((rows, words), dtype=torch.int32)
+    assert mp_sched._fill_few(bm, ms, ids, spec) is not None  # checked and remembered
+    assert mp_sched._fill_few(bm, ms, ids, spec) is not None  # the same buffer: passes again
+    # Too few rows for the step (the same storage): refused, the general path names the bitmask.
+    short = bm.resize_((rows - 1, words))
+    assert short is bm and mp_sched._fill_few(bm, ms, ids, spec) is None
+    bm.resize_((rows, words))
+    assert mp_sched._fill_few(bm, ms, ids, spec) is not None
+    # Re-shaped in place to a width the vocabulary does not have: refused, nothing written.
+    bm.zero_()
+    bm.set_(bm.untyped_storage(), 0, (rows // 2, 2 * words) if rows % 2 == 0 else (rows, words - 1))
+    assert mp_sched._fill_few(bm, ms, ids, spec) is None
+    assert not bm.any()
+    # A strided view of a valid buffer: not contiguous, refused.
+    wide = torch.zeros((rows, words + 1), dtype=torch.int32)
+    assert mp_sched._fill_few(wide[:, :words], ms, ids, spec) is None
