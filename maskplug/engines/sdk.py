@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -38,6 +38,7 @@ from ..errors import GrammarError, PluginError
 from ..grammar.jobs import claim, release
 from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
 from ..grammar.serial import walk_windows
+from ..grammar.bases import MatcherBase, plain_matcher_type
 from ..schedulers import SchedulerSpec, VerifyAllScheduler, parse_scheduler_spec
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "PatchSet",
     "SchedulerSpec",
     "VerifyAllScheduler",
+    "accept_emitted",
     "fill_windows_serially",
     "parse_scheduler_spec",
     "wraps",
@@ -264,3 +266,34 @@ def fill_windows_serially(
         return walk_windows(matchers, windows, row0, bitmask, total)
     finally:
         release(held)
+
+
+def accept_emitted(matcher: Matcher, tokens: Sequence[int]) -> int:
+    """Advance ``matcher`` by the tokens an engine emitted; how many it took.
+
+    In order, as ``matcher.accept`` would, stopping at the first token it
+    refuses (the state stays after the tokens before it) or once the matcher
+    is terminated (the tokens after a stop token are not offered: engines
+    emit the stop token and may pad after it). So ``tokens[n]`` was refused
+    when ``n < len(tokens)`` and the matcher is not terminated.
+
+    For an engine's per-step bookkeeping: ids that are ``int`` within the
+    matcher's vocabulary go to the unchecked accept the mask-row producer uses
+    (the same result, without the per-call argument check); anything else
+    goes through ``accept`` and its checks (a bad id raises
+    :class:`~maskplug.GrammarError` there).
+    """
+    if plain_matcher_type(type(matcher)):
+        base = cast(MatcherBase, matcher)
+        fast, size = base._accept_id, base.vocab.vocab_size
+    else:
+        fast, size = matcher.accept, -1  # every id through accept()
+    terminated = matcher.is_terminated
+    n = 0
+    for t in tokens:
+        if terminated():
+            break
+        if not (fast(t) if t.__class__ is int and 0 <= t < size else matcher.accept(t)):
+            break
+        n += 1
+    return n

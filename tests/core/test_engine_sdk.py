@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from maskplug import GrammarError, GrammarRows, PluginError, ScheduledLayout, fill_draft_masks
-from maskplug.engines.sdk import GuardedGrammar, PatchSet, fill_windows_serially, wraps
+from maskplug.engines.sdk import GuardedGrammar, PatchSet, accept_emitted, fill_windows_serially, wraps
 from maskplug.grammar.sdk import (
     FailedMatcher,
     GrammarSpec,
@@ -333,3 +333,56 @@ def test_fill_windows_serially_equals_the_general_serial_producer(size: int, req
         if g not in ref.failed:
             assert a.is_terminated() == b.is_terminated()
             assert a.validate([1, 2, 3]) == b.validate([1, 2, 3])
+
+
+# -- accept_emitted against accept(), under hypothesis ----------------------------------------------
+
+
+def _by_accept(m: Any, tokens: list[Any]) -> tuple[int, str | None]:
+    """What an engine's loop over ``accept`` does with emitted tokens: taken count, or the error it raised."""
+    n = 0
+    try:
+        for t in tokens:
+            if m.is_terminated() or not m.accept(t):
+                break
+            n += 1
+    except GrammarError as exc:
+        return n, str(exc)
+    return n, None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    size=st.sampled_from([29, 32, 100]),
+    tokens=st.lists(
+        st.one_of(
+            st.sampled_from([0, 1, 2, 3, 27, 28, 5]),  # stop, letters, "ab"/"bc", a refused one
+            st.sampled_from([-1, 29, 100, 10**6]).map(int),  # outside the vocabulary (for some sizes)
+            st.sampled_from([1, 2, 0]).map(np.int64),  # numpy ids go through accept()'s checks
+        ),
+        max_size=7,
+    ),
+    wrapped=st.booleans(),
+)
+@example(size=29, tokens=[1, 29], wrapped=False)  # just past the vocabulary: accept()'s error, not a refusal
+@example(size=32, tokens=[1, 0, 5, 2], wrapped=False)  # nothing after the stop token is offered
+def test_accept_emitted_takes_what_accept_takes(size: int, tokens: list[Any], wrapped: bool) -> None:
+    """The same count, end state and errors as a loop over ``accept``; nothing after a stop token is offered."""
+    compiled = _compiled(size)
+    ours, theirs = compiled.matcher(), compiled.matcher()
+    if wrapped:  # a matcher that is not a MatcherBase: every id through its accept()
+        ours = _Wrapped(ours, "", 1)
+    want, err = _by_accept(theirs, tokens)
+    if err is not None:
+        with pytest.raises(GrammarError) as got:
+            accept_emitted(ours, tokens)
+        assert str(got.value) == err
+    else:
+        assert accept_emitted(ours, tokens) == want
+    assert ours.is_terminated() == theirs.is_terminated()
+    assert ours.num_accepted == theirs.num_accepted
+    words = theirs.vocab.mask_words
+    a, b = torch.zeros((1, words), dtype=torch.int32), torch.zeros((1, words), dtype=torch.int32)
+    ours.fill(a, 0)
+    theirs.fill(b, 0)
+    assert torch.equal(a, b)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from maskplug import GrammarError, PluginError
-from maskplug.engines.sdk import GuardedGrammar
+from maskplug.engines.sdk import GuardedGrammar, accept_emitted
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
@@ -239,14 +239,14 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         request's ``stop_reason``.
         """
         if self.error is None:
+            m = self.matcher
             try:
-                for t in tokens:
-                    if self.matcher.is_terminated():
-                        break
-                    if not self.matcher.accept(int(t)):
-                        logger.error("maskplug grammar for request %s refused emitted token %s", request_id, t)
-                        return False
-                    self.num_processed_tokens += 1
+                # Called for every request every step: the SDK's loop skips the per-call id checks.
+                n = accept_emitted(m, tokens)
+                self.num_processed_tokens += n
+                if n < len(tokens) and not m.is_terminated():
+                    logger.error("maskplug grammar for request %s refused emitted token %s", request_id, tokens[n])
+                    return False
                 return True
             except Exception as exc:
                 self.request_id = request_id
