@@ -31,14 +31,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import torch
 
+from .._checks import INT32_MAX
 from ..draftmasks import DraftMasks
-from ..errors import GrammarError, PluginError
+from ..errors import GrammarError, LayoutError, PluginError
+from ..grammar.bases import MatcherBase, plain_matcher_type
 from ..grammar.jobs import claim, release
 from ..grammar.sdk import FailedMatcher, Matcher, Vocab, brief_error, stop_row
 from ..grammar.serial import walk_windows
-from ..grammar.bases import MatcherBase, plain_matcher_type
+from ..layout import RowMapping
 from ..schedulers import SchedulerSpec, VerifyAllScheduler, parse_scheduler_spec
 
 __all__ = [
@@ -49,6 +52,7 @@ __all__ = [
     "accept_emitted",
     "fill_windows_serially",
     "parse_scheduler_spec",
+    "ragged_mapping",
     "wraps",
 ]
 
@@ -297,3 +301,46 @@ def accept_emitted(matcher: Matcher, tokens: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def ragged_mapping(batch_index: Sequence[int], rows: Sequence[int], num_batch: int) -> RowMapping:
+    """The row mapping of ragged mask rows, from each grammar request's batch index and row count.
+
+    Grammar request ``g`` (in the order the producer wrote its rows) owns
+    the next ``rows[g]`` bitmask rows, for positions ``0 .. rows[g] - 1`` of
+    batch request ``batch_index[g]``: what
+    :meth:`maskplug.GrammarRows.mapping` builds for a ragged layout, without
+    building the :class:`~maskplug.ScheduledLayout` first, for an engine that
+    maps a new step every time its batch or draft counts change. The mapping
+    is checked here, so :func:`maskplug.apply_grammar_bitmask` trusts it as
+    it trusts the planner's.
+
+    Raises:
+        LayoutError: lengths that differ, a batch index outside ``[0,
+            num_batch)`` or repeated, a row count below 1, or more than
+            ``2**31 - 1`` rows.
+    """
+    g = len(batch_index)
+    if len(rows) != g:
+        raise LayoutError(f"rows: expected {g} counts (one per grammar request), got {len(rows)}")
+    idx = np.asarray(batch_index, dtype=np.int64).reshape(g)
+    per = np.asarray(rows, dtype=np.int64).reshape(g)
+    if g:
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= num_batch:
+            bad = lo if lo < 0 else hi
+            raise LayoutError(f"batch_index: expected indices in [0, {num_batch}), got {bad}")
+        if np.unique(idx).shape[0] != g:
+            raise LayoutError("batch_index: expected each batch request at most once, got a repeat")
+        if int(per.min()) < 1:
+            raise LayoutError(f"rows: expected at least 1 row per grammar request, got {int(per.min())}")
+    total = int(per.sum())
+    if total > INT32_MAX:
+        raise LayoutError(f"rows: expected at most 2**31 - 1 mask rows (int32 row indices), got {total}")
+    starts = np.zeros(g, dtype=np.int32)
+    if g > 1:
+        np.cumsum(per[:-1], out=starts[1:])
+    request = np.repeat(idx.astype(np.int32), per)
+    position = np.arange(total, dtype=np.int32)
+    position -= np.repeat(starts, per)
+    return RowMapping._checked(request, position, int(idx.max()) + 1 if g else 0)

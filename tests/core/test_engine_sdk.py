@@ -11,8 +11,15 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from maskplug import GrammarError, GrammarRows, PluginError, ScheduledLayout, fill_draft_masks
-from maskplug.engines.sdk import GuardedGrammar, PatchSet, accept_emitted, fill_windows_serially, wraps
+from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug.engines.sdk import (
+    GuardedGrammar,
+    PatchSet,
+    accept_emitted,
+    fill_windows_serially,
+    ragged_mapping,
+    wraps,
+)
 from maskplug.grammar.sdk import (
     FailedMatcher,
     GrammarSpec,
@@ -386,3 +393,45 @@ def test_accept_emitted_takes_what_accept_takes(size: int, tokens: list[Any], wr
     ours.fill(a, 0)
     theirs.fill(b, 0)
     assert torch.equal(a, b)
+
+
+# -- ragged_mapping against GrammarRows.mapping ------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    drafts=st.lists(st.integers(0, 6), min_size=1, max_size=40),
+    seed=st.integers(0, 2**32 - 1),
+    bonus=st.integers(1, 2),
+)
+def test_ragged_mapping_is_what_grammar_rows_map(drafts: list[int], seed: int, bonus: int) -> None:
+    """Any subset of the batch, in any order, as grammar requests: the same rows, trusted by the apply."""
+    rng = np.random.default_rng(seed)
+    n = len(drafts)
+    ids = [f"r{i}" for i in range(n)]
+    gidx = [int(i) for i in rng.permutation(n)[: int(rng.integers(0, n + 1))]]
+    layout = ScheduledLayout(ids, np.array(drafts), np.ones(n, dtype=np.int64), num_bonus=bonus)
+    want = GrammarRows([ids[i] for i in gidx]).mapping(layout)
+    got = ragged_mapping(gidx, [drafts[i] + bonus for i in gidx], n)
+    assert got.request.dtype == want.request.dtype and got.position.dtype == want.position.dtype
+    assert np.array_equal(got.request, want.request) and np.array_equal(got.position, want.position)
+    assert got._trusted_needs() == want._trusted_needs()
+    assert not got.request.flags.writeable and not got.position.flags.writeable
+
+
+@pytest.mark.parametrize(
+    ("batch_index", "rows", "num_batch", "message"),
+    [
+        ([0, 1], [1], 2, r"rows: expected 2 counts"),
+        ([0, 2], [1, 1], 2, r"batch_index: expected indices in \[0, 2\), got 2"),
+        ([-1], [1], 2, r"batch_index: expected indices in \[0, 2\), got -1"),
+        ([1, 1], [1, 2], 2, r"batch_index: expected each batch request at most once"),
+        ([0, 1], [1, 0], 2, r"rows: expected at least 1 row per grammar request, got 0"),
+        ([0], [2**31], 1, r"rows: expected at most 2\*\*31 - 1 mask rows"),
+    ],
+)
+def test_ragged_mapping_refuses_bad_input_naming_it(
+    batch_index: list[int], rows: list[int], num_batch: int, message: str
+) -> None:
+    with pytest.raises(LayoutError, match=message):
+        ragged_mapping(batch_index, rows, num_batch)

@@ -23,6 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from maskplug import RowMapping
+from maskplug.engines.sdk import ragged_mapping
+
 from .common import apply_rows, make_apply_compacted
 from .host import StepRows, draft_counts, step_rows
 
@@ -37,35 +40,56 @@ The mask rows were produced for these; the output's own
 
 
 _ROWS_CACHE_SIZE = 256
-_rows_cache: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], tuple[StepRows, np.ndarray]] = {}
+#: A step's row mapping, its padded logits offsets and the grammar requests it maps beyond the batch.
+_Hit = tuple[RowMapping, np.ndarray, int]
+_rows_cache: dict[tuple[tuple[str, ...], tuple[str, ...], tuple[int, ...]], _Hit] = {}
 
 
-def _scheduled_rows(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> StepRows:
-    """:func:`step_rows` for a step's scheduled drafts, reused while batch, grammar requests and counts repeat."""
-    return _scheduled_step(req_ids, gids, spec)[0]
+def _scheduled_rows(
+    req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]
+) -> tuple[RowMapping, np.ndarray]:
+    """The row mapping and padded row offsets of a step's scheduled drafts (:func:`_scheduled_step`)."""
+    mapping, cu, _ = _scheduled_step(req_ids, gids, spec)
+    return mapping, cu
 
 
-def _scheduled_step(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> tuple[StepRows, np.ndarray]:
-    """:func:`step_rows` for a step's scheduled drafts and its padded row offsets, reused while the step repeats.
+def _scheduled_step(req_ids: list[str], gids: list[str], spec: Mapping[str, list[int]]) -> _Hit:
+    """The row mapping, padded row offsets and absent grammar requests of a step, reused while the step repeats.
 
     A running batch sees the same few draft-count patterns step after step,
-    so the layout, row mapping and offsets of a recent step with the same
-    batch, grammar requests and counts are handed back instead of rebuilt
-    (they are only read). The key is plain tuples: at a few requests, numpy
-    arrays cost more to make than the lookup saves. Steps with grammar
-    requests outside the batch are always built afresh.
+    so the mapping and offsets of a recent step with the same batch, grammar
+    requests and counts are handed back instead of rebuilt (they are only
+    read). The key is plain tuples: at a few requests, numpy arrays cost more
+    to make than the lookup saves. A new step whose grammar requests are all
+    in the batch, each once, is mapped directly from the counts
+    (:func:`~maskplug.engines.sdk.ragged_mapping`: what :func:`step_rows`
+    maps, without the layout, as the batch changes nearly every step under
+    load); anything else goes through :func:`step_rows` and its checks, and
+    steps with grammar requests outside the batch are never kept.
     """
     get = spec.get
     counts = tuple([len(get(r, ())) for r in req_ids])
     key = (tuple(req_ids), tuple(gids), counts)
     hit = _rows_cache.get(key)
-    if hit is None:
+    if hit is not None:
+        return hit
+    n = len(req_ids)
+    index = {r: i for i, r in enumerate(req_ids)}
+    idx = [index.get(g, -1) for g in gids]
+    if len(index) == n and -1 not in idx and len(set(idx)) == len(idx):
+        c = np.array(counts, dtype=np.int64)
+        c += 1
+        cu = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(c, out=cu[1:])
+        hit = (ragged_mapping(idx, c[idx], n), cu, 0)
+    else:
         rows = step_rows(req_ids, gids, np.array(counts, dtype=np.int64), 1, spec)
-        hit = (rows, rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1]))
-        if rows.num_batch == rows.layout.n:
-            if len(_rows_cache) >= _ROWS_CACHE_SIZE:
-                _rows_cache.clear()
-            _rows_cache[key] = hit
+        hit = (rows.mapping, rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1]), rows.layout.n - n)
+        if rows.num_batch != rows.layout.n:
+            return hit
+    if len(_rows_cache) >= _ROWS_CACHE_SIZE:
+        _rows_cache.clear()
+    _rows_cache[key] = hit
     return hit
 
 
@@ -89,12 +113,13 @@ def apply_scatter(scheduler_output: Any, grammar_output: Any, input_batch: Any, 
     spec = getattr(scheduler_output, SCHEDULED_SPEC_ATTR, None)
     if spec is None:
         spec = active
-    rows, cu = _scheduled_step(req_ids, gids, spec)
+    mapping, cu, absent = _scheduled_step(req_ids, gids, spec)
     if spec is not active:
-        live = np.zeros(rows.num_batch + 1, dtype=np.int64)
-        np.cumsum(draft_counts(req_ids, active) + 1, out=live[1:])
-        cu = rows.pad_cu_logits(live)
-    apply_rows(logits, bitmask_np, rows.mapping, cu)
+        live = np.zeros(len(req_ids) + 1 + absent, dtype=np.int64)
+        np.cumsum(draft_counts(req_ids, active) + 1, out=live[1 : len(req_ids) + 1])
+        live[len(req_ids) + 1 :] = live[len(req_ids)]  # absent grammar requests: no logits rows
+        cu = live
+    apply_rows(logits, bitmask_np, mapping, cu)
 
 
 def _compacted_rows(worker: Any, input_batch: Any, grammar_req_ids: list[str], grammar_bitmask: np.ndarray) -> StepRows:

@@ -493,11 +493,11 @@ def test_apply_scatter_reuses_rows_of_a_repeated_step_correctly() -> None:
             apply_scatter(trimmed, GrammarOutput(gids, bitmask), SimpleNamespace(req_ids=batch), logits)
             assert torch.equal(logits, expect)
             fresh = step_rows(batch, gids, draft_counts(batch, so.scheduled_spec_decode_tokens), 1)
-            cached = worker._scheduled_rows(batch, gids, so.scheduled_spec_decode_tokens)
-            assert np.array_equal(cached.mapping.request, fresh.mapping.request)
-            assert np.array_equal(cached.mapping.position, fresh.mapping.position)
-            assert np.array_equal(cached.layout.cu_scheduled, fresh.layout.cu_scheduled)
-            assert cached.num_batch == fresh.num_batch
+            mapping, cu = worker._scheduled_rows(batch, gids, so.scheduled_spec_decode_tokens)
+            assert np.array_equal(mapping.request, fresh.mapping.request)
+            assert np.array_equal(mapping.position, fresh.mapping.position)
+            assert np.array_equal(cu, fresh.pad_cu_logits(fresh.layout.cu_scheduled[: fresh.num_batch + 1]))
+            assert mapping._trusted_needs() is not None  # applied without re-checking its values
 
 
 def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
