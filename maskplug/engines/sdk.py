@@ -287,11 +287,11 @@ def accept_emitted(matcher: Matcher, tokens: Sequence[int]) -> int:
     goes through ``accept`` and its checks (a bad id raises
     :class:`~maskplug.GrammarError` there).
     """
+    fast: Callable[[int], bool] = matcher.accept
+    size = -1  # every id through accept()
     if plain_matcher_type(type(matcher)):
         base = cast(MatcherBase, matcher)
         fast, size = base._accept_id, base.vocab.vocab_size
-    else:
-        fast, size = matcher.accept, -1  # every id through accept()
     terminated = matcher.is_terminated
     n = 0
     for t in tokens:
