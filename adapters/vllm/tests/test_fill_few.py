@@ -246,7 +246,8 @@ def test_a_buffer_changed_in_place_is_checked_again(setup: Any) -> None:
     assert mp_sched._fill_few(bm, ms, ids, spec) is not None
     # Re-shaped in place to a width the vocabulary does not have: refused, nothing written.
     bm.zero_()
-    bm.set_(bm.untyped_storage(), 0, (rows // 2, 2 * words) if rows % 2 == 0 else (rows, words - 1))
+    shape = (rows // 2, 2 * words) if rows % 2 == 0 else (rows, words - 1)
+    bm.set_(bm.untyped_storage(), 0, shape)  # type: ignore[call-overload]
     assert mp_sched._fill_few(bm, ms, ids, spec) is None
     assert not bm.any()
     # A strided view of a valid buffer: not contiguous, refused.
