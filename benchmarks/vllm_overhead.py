@@ -29,7 +29,12 @@ functions with ``time.thread_time_ns`` (CPU time of the calling thread)
 around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
 the structured-output manager's ``grammar_bitmask`` (the mask rows), the
 model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
-planning and outcome (``_Controller.plan`` / ``finish``), per engine step.
+planning and outcome (``_Controller.plan`` / ``finish``), per step that ran
+the model (engine steps that only wait differ in number between engines),
+and ``host``: their sum besides the forward pass (schedule, update, apply,
+and the rows where they are not inside the schedule). These timed calls run
+cold, between forward passes: each costs several times what the same call
+costs repeated in a loop (``benchmarks/vllm_rows.py``, ``cpu_apply.py``).
 ``--restart N`` starts fresh engine processes every N rounds: one engine
 process can run the same work about 30% slower than another for its whole
 life (seen here with no maskplug code running at all), so the medians
@@ -292,17 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(ratio to {modes[0]}: median of per-round ratios, min-max)")
     profiled = [r for r in rows if r["profile"]]
     if profiled:
-        print("\nper engine step, CPU µs of the calling thread (profiled rounds, all steps)")
-        names = ["schedule", "rows", "plan", "update_from_output", "outcome", "execute_model", "apply"]
+        # Per step that ran the model (the same count in every engine: the tokens are identical); engine
+        # steps that only wait differ in number between engines, and would dilute the busier one's figures.
+        print("\nper model step, CPU µs of the calling thread (profiled rounds)")
+        names = ["schedule", "rows", "plan", "update_from_output", "outcome", "execute_model", "apply", "host"]
         print(f"{'engine':<12}{'c':>4}" + "".join(f"{n:>20}" for n in names))
         for m in modes:
             for c in conc:
                 prs = [r for r in profiled if r["mode"] == m and r["c"] == c]
-                steps = sum(r["steps"] for r in prs)
-                cells = []
-                for n in names:
-                    ns = sum(r["timers_ns"].get(n, 0) for r in prs)
-                    cells.append(f"{ns / 1e3 / max(1, steps):8.1f}" if any(n in r["timers_ns"] for r in prs) else "-")
+                steps = sum(r["model_steps"] for r in prs)
+                per = {n: sum(r["timers_ns"].get(n, 0) for r in prs) / 1e3 / max(1, steps) for n in names}
+                # Host work besides the forward: the engine core's schedule (which holds the rows and the
+                # plan when maskplug plans, else the rows come after it) and update, and the apply.
+                nested = any("plan" in r["timers_ns"] for r in prs)
+                per["host"] = (
+                    per["schedule"] + per["update_from_output"] + per["apply"] + (0 if nested else per["rows"])
+                )
+                cells = [
+                    f"{per[n]:8.1f}" if n == "host" or any(n in r["timers_ns"] for r in prs) else "-" for n in names
+                ]
                 print(f"{m:<12}{c:>4}" + "".join(f"{x:>20}" for x in cells))
     loads = [x for r in rows for x in (r["load_before"], r["load_after"])]
     print(f"\nload average (1 min) around the runs: {min(loads):.1f} to {max(loads):.1f}")
