@@ -639,6 +639,14 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         ctl = _controller
         if ctl is None:
             return so
+        if ctl.metrics is None:
+            ctl.metrics = _open_metrics(self, ctl.name)
+        if so.total_num_scheduled_tokens == 0:
+            # Nothing runs (the engine loops while a request waits, e.g. for its grammar): no rows, no
+            # plan; vLLM's last step of a batch may only announce finished requests: pass them on.
+            if so.finished_req_ids:
+                ctl.forget(so.finished_req_ids)
+            return so
         # The rows for every scheduled draft, produced now (vLLM would produce the same rows while
         # the model runs): the budget needs the step's draft masks before the step is sent.
         manager = self.structured_output_manager
@@ -653,14 +661,7 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
             if list(gids) == list(grammar_output.structured_output_request_ids):
                 setattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT, dm)
                 attached = True
-        if ctl.metrics is None:
-            ctl.metrics = _open_metrics(self, ctl.name)
-        plan = None
-        if so.total_num_scheduled_tokens > 0:
-            plan = ctl.plan(so, grammar_output)
-        else:
-            # vLLM's last step of a batch may only announce finished requests: pass them on.
-            ctl.forget(so.finished_req_ids)
+        plan = ctl.plan(so, grammar_output)
         if attached:
             # The draft masks stay in this process: workers get vLLM's own grammar output.
             delattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT)
