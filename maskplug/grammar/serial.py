@@ -34,6 +34,9 @@ IntArray = npt.NDArray[np.int64]
 
 _ARANGE: dict[int, IntArray] = {}
 
+#: Up to this many bytes of rows, :func:`_complete` counts allowed tokens with Python ints rather than numpy.
+_PY_COUNT_BYTES = 4096
+
 
 def _arange(n: int) -> IntArray:
     """``np.arange(n)`` as int64, read-only and shared (a result's ``request`` field)."""
@@ -191,13 +194,29 @@ def _complete(
             return None
         size = min(vs, size)
     sub = bm[:total]
-    if size == words * 32:
-        # The vocabulary fills its words (tekken, Llama, most real ones): one count over whole rows.
-        count = np.bitwise_count(sub.view(np.uint64) if words % 2 == 0 else sub.view(np.uint32)).sum(axis=1)
-        below_arr = count
+    wb = 4 * words
+    whole: list[int]
+    if total * wb <= _PY_COUNT_BYTES:
+        # A few narrow rows: each row as one Python int (little-endian words: bit t is token t).
+        # Between an engine's forward passes this runs cold, where numpy's calls cost most.
+        frm = int.from_bytes
+        buf = sub.tobytes()
+        ints = [frm(buf[i : i + wb], "little") for i in range(0, total * wb, wb)]
+        whole = [x.bit_count() for x in ints]
+        if size < words * 32:
+            keep = (1 << size) - 1
+            below = [(x & keep).bit_count() for x in ints]
+        else:
+            below = whole
     else:
-        count, below_arr = row_counts(bitmask, total, None, size)
-    below = below_arr.tolist()
+        if size == words * 32:
+            # The vocabulary fills its words (tekken, Llama, most real ones): one count over whole rows.
+            count = np.bitwise_count(sub.view(np.uint64) if words % 2 == 0 else sub.view(np.uint32)).sum(axis=1)
+            below_arr = count
+        else:
+            count, below_arr = row_counts(bitmask, total, None, size)
+        below = below_arr.tolist()
+        whole = count.tolist() if below_arr is not count else below
     spans = []
     for g, hi in enumerate(last):
         if hi >= 0:
@@ -217,7 +236,6 @@ def _complete(
         sub[pos:total] = -1
     # The single-token rows (rare: a forced token) are set one by one.
     forced = np.zeros((g_count, width), dtype=bool)
-    whole = count.tolist() if below_arr is not count else below
     for a, b, g in spans:
         if 1 in whole[a:b]:
             for p in range(b - a):

@@ -258,6 +258,21 @@ class _Wrapped:
             if self.what == "fill:dead":
                 bitmask[row] = 0
                 return True
+            if self.what == "fill:tail":
+                # Only bits past the vocabulary set (none where it fills its words): allows nothing either.
+                size = self.vocab.vocab_size
+                bitmask[row] = 0
+                if size % 32:
+                    bitmask[row, size // 32] = -(1 << (size % 32))
+                return True
+            if self.what == "fill:one":
+                # One token allowed, and bits past the vocabulary: a forced row by the vocabulary's count.
+                size = self.vocab.vocab_size
+                bitmask[row] = 0
+                bitmask[row, 0] = 1 << 1
+                if size % 32:
+                    bitmask[row, size // 32] |= -(1 << (size % 32))
+                return True
             raise RuntimeError(f"injected fill fault at call {self.calls}")
         return bool(self.inner.fill(bitmask, row))
 
@@ -295,7 +310,7 @@ def _compiled(size: int) -> Any:
     reqs=st.lists(
         st.tuples(
             st.lists(st.sampled_from([0, 1, 2, 3, 4, 27, 28, 5]), max_size=5),
-            st.sampled_from(["", "fill", "fill:dead", "accept", "rollback"]),
+            st.sampled_from(["", "fill", "fill:dead", "fill:tail", "fill:one", "accept", "rollback"]),
             st.integers(1, 4),
             st.booleans(),
         ),
