@@ -21,7 +21,12 @@ same step on the same matchers:
 
 Each round times both, one after the other in alternating order, in CPU time
 of this thread per step (the fastest of five batches of ``--calls`` steps);
-the summary is the median over rounds of the per-round ratio. The rows both
+the summary is the median over rounds of the per-round ratio. With ``--cold``
+each call is timed alone right after engine-like work (a small MLP forward,
+numpy over 4 MB, some Python), the median of ``--calls / 4`` calls: in an
+engine the producer runs between forward passes with its caches cold, where
+it costs several times its figure in a loop (the engine profile of
+``vllm_overhead.py`` shows it). The rows both
 write are checked equal once per configuration (the rows after a refused
 draft are vLLM's copies on one side and open on the other; neither is
 applied, so only the rows up to the first refusal are compared).
@@ -30,6 +35,7 @@ applied, so only the rows up to the first refusal are compared).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -42,6 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np
 import torch
 import vllm_tiny as tiny
 from maskplug_vllm import scheduler as mp_sched
@@ -140,13 +147,50 @@ def _time(fn: Any, calls: int) -> float:
     return best
 
 
+class _Polluter:
+    """Work like an engine's between two producer calls: a small MLP forward, numpy over 4 MB, some Python."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.weights = [torch.randn(128, 128, generator=gen) for _ in range(8)]
+        self.junk = np.zeros(4 << 20, dtype=np.uint8)
+        self.blob = {f"k{i}": [i, str(i), {"x": i}] for i in range(300)}
+        self.rng = random.Random(0)
+
+    def __call__(self) -> None:
+        x = torch.ones(4, 128)
+        for w in self.weights:
+            x = torch.nn.functional.silu(x @ w)
+        self.junk[::64] += 1
+        json.dumps(self.blob)
+        sorted(self.rng.random() for _ in range(200))
+
+
+def _time_cold(fn: Any, calls: int, pollute: _Polluter) -> float:
+    """Median CPU µs of one call made right after :class:`_Polluter`'s work (its caches cold, as in an engine)."""
+    clock = time.thread_time_ns
+    times = []
+    for _ in range(calls):
+        pollute()
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return statistics.median(times) / 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", default="1,4,16")
     p.add_argument("--drafts", default="0,3")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=2000, help="steps per timed batch (default: %(default)s)")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="time each call after engine-like work (a small forward, numpy, Python) instead of in a loop",
+    )
     a = p.parse_args(argv)
+    pollute = _Polluter()
     with tempfile.TemporaryDirectory(prefix="maskplug-rows-") as tmp:
         model = tiny.build_model(Path(tmp) / "model")
         tok = AutoTokenizer.from_pretrained(str(model))
@@ -192,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios, mine, base = [], [], []
             for rnd in range(a.rounds):
                 pair = (ours, theirs) if rnd % 2 == 0 else (theirs, ours)
-                t = {fn: _time(fn, a.calls) for fn in pair}
+                t = {fn: _time_cold(fn, a.calls // 4, pollute) if a.cold else _time(fn, a.calls) for fn in pair}
                 mine.append(t[ours])
                 base.append(t[theirs])
                 ratios.append(t[ours] / t[theirs])
