@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # a refusal or the limit: printed, the next schema goes on
             out = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         wall = time.perf_counter() - t0
+        cache = getattr(prov, "cache", None)
+        if cache is not None:
+            # Each schema is compiled once: the provider's cache of compiled grammars (up to 256, some of
+            # them hundreds of MB over tekken's vocabulary) would only hold memory a later compile needs.
+            cache.clear()
         worker = getattr(prov, "worker", None)
         cpu = getattr(worker, "last_cpu_s", None) if worker is not None else None
         cpu_s = f"{cpu:8.1f}" if isinstance(cpu, (int, float)) else "       -"
