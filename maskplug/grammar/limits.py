@@ -38,6 +38,15 @@ itself (wall-clock): a request never queues behind a slow one for longer
 than its own limit. Where ``/proc`` is not available the limit is
 wall-clock, as before.
 
+What a compile may hold: a server whose resident memory passes
+:func:`compile_memory_limit` (``MASKPLUG_COMPILE_MEMORY_MB``; by default half
+of the machine's memory) is killed and its request fails with a
+:class:`~maskplug.GrammarError` naming the limit, read from the same
+``/proc`` line as the CPU time. Some schemas make an engine build automata
+of many gigabytes (one JSONSchemaBench schema took outlines-core past 17 GB
+here); without the limit the kernel's out-of-memory killer ends whichever
+process it picks, which on a server may be the engine itself.
+
 A start-up process that is still starting when a request's backstop runs
 out is left running (it is not the request's fault and the next compile
 may use it); it is ended only after :data:`STARTUP_LIMIT_S` in all.
@@ -71,8 +80,10 @@ __all__ = [
     "STARTUP_LIMIT_S",
     "WALL_BACKSTOP_FACTOR",
     "WALL_BACKSTOP_MIN_S",
+    "MEMORY_LIMIT_ENV",
     "CompileWorker",
     "check_limit",
+    "compile_memory_limit",
     "cpu_seconds",
     "effective_limit",
     "wall_backstop",
@@ -95,7 +106,37 @@ waits for it at most its own wall-clock backstop."""
 IDLE_EXIT_S = 120.0
 """A compile server with no compile, or a start-up process with no fork, for this long exits."""
 
+MEMORY_LIMIT_ENV = "MASKPLUG_COMPILE_MEMORY_MB"
+"""Environment variable: the resident memory, in MiB, a compile server may hold (``none``: no limit)."""
+
 BuildFn = Callable[..., Callable[[GrammarSpec], Any]]
+
+
+def compile_memory_limit() -> int | None:
+    """Bytes of resident memory a compile server may hold before it is killed; ``None``: no limit.
+
+    :data:`MEMORY_LIMIT_ENV` when set (a number of MiB > 0, or ``none``),
+    else half of this machine's physical memory (``None`` where the OS does
+    not say). Read at every compile, so a process may change it.
+
+    Raises:
+        GrammarError: the variable holds anything else, naming it.
+    """
+    raw = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if raw:
+        if raw.lower() == "none":
+            return None
+        try:
+            mib = float(raw)
+        except ValueError:
+            mib = math.nan
+        if not (math.isfinite(mib) and mib > 0):
+            raise GrammarError(f"{MEMORY_LIMIT_ENV}: expected a number of MiB > 0 or 'none', got {raw!r}")
+        return int(mib * 2**20)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def check_limit(value: Any, arg: str) -> float | None:
@@ -136,13 +177,22 @@ def wall_backstop(limit_s: float) -> float:
 _TICK_S = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system, all threads) process ``pid`` has used; None when the OS does not say."""
+    usage = _usage(pid)
+    return None if usage is None else usage[0]
+
+
+def _usage(pid: int) -> tuple[float, int] | None:
+    """CPU seconds and resident bytes of process ``pid`` (one read of ``/proc/<pid>/stat``); None without it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        # Fields 14 and 15 of proc(5) (utime, stime); fields[0] is field 3 (state).
-        return (int(fields[11]) + int(fields[12])) * _TICK_S
+        # Fields 14, 15 (utime, stime) and 24 (rss, pages) of proc(5); fields[0] is field 3 (state).
+        return (int(fields[11]) + int(fields[12])) * _TICK_S, int(fields[21]) * _PAGE
     except (OSError, IndexError, ValueError):
         return None
 
@@ -340,13 +390,15 @@ class CompileWorker:
         self.started = 0
         """Compile servers started."""
         self.killed = 0
-        """Compile servers ended for running past a limit or a backstop."""
+        """Compile servers ended for running past a limit (CPU time or memory) or a backstop."""
         self.compiles = 0
         """Compiles answered (successes and the engine's errors)."""
         self.last_cpu_s: float | None = None
         """CPU seconds of the latest compile sent to the server (answered or stopped)."""
         self.last_wall_s: float | None = None
         """Wall-clock seconds of the latest compile sent to the server (answered or stopped)."""
+        self.last_rss_bytes = 0
+        """The server's resident memory when last read during a compile (bytes; 0 before any reading)."""
         self._last_used = -math.inf
         self._forked_at = -math.inf
 
@@ -495,12 +547,16 @@ class CompileWorker:
                     f"(start-up goes on, for at most {STARTUP_LIMIT_S:g} s in all)"
                 ) from None
 
-    def _wait(self, recv: Connection, pid: int, limit_s: float, deadline: float) -> tuple[str, float, float]:
-        """Wait for the server's answer: ``("answer" | "limit" | "backstop", cpu_s, wall_s)``.
+    def _wait(
+        self, recv: Connection, pid: int, limit_s: float, deadline: float, memory: int | None = None
+    ) -> tuple[str, float, float]:
+        """Wait for the server's answer: ``("answer" | "limit" | "memory" | "backstop", cpu_s, wall_s)``.
 
         The limit counts the server's CPU time, polled while waiting (the
         poll interval shrinks as the compile nears its limit); where the OS
-        does not report it, the limit is wall-clock.
+        does not report it, the limit is wall-clock. ``memory``: the resident
+        bytes the server may hold (read with the CPU time; the last reading
+        is :attr:`last_rss_bytes`).
         """
         t0 = time.monotonic()
         cpu0 = cpu_seconds(pid)
@@ -512,9 +568,12 @@ class CompileWorker:
                 got = left > 0 and recv.poll(left)
                 wall = time.monotonic() - t0
                 return ("answer" if got else "limit"), wall, wall
-            cpu = cpu_seconds(pid)
-            if cpu is not None:
-                used = cpu - cpu0
+            usage = _usage(pid)
+            if usage is not None:
+                used = usage[0] - cpu0
+                self.last_rss_bytes = usage[1]
+                if memory is not None and usage[1] > memory:
+                    return "memory", used, now - t0
             if used >= limit_s:
                 return "limit", used, now - t0
             if now >= deadline:
@@ -528,12 +587,15 @@ class CompileWorker:
         """What the worker's compile function returns for ``spec``, or :class:`GrammarError`.
 
         Raises :class:`GrammarError` when the compile runs past ``limit_s``
-        seconds of CPU time, when waiting for an earlier compile takes longer
-        than ``limit_s``, or when everything after that (start-up, fork,
+        seconds of CPU time or holds more memory than
+        :func:`compile_memory_limit`, when waiting for an earlier compile takes
+        longer than ``limit_s``, or when everything after that (start-up, fork,
         compile) runs past the wall-clock backstop; the server is killed then.
+        A bad :data:`MEMORY_LIMIT_ENV` is refused before anything runs.
         """
         asked = time.monotonic()
         backstop = wall_backstop(limit_s)
+        memory = compile_memory_limit()  # a bad setting fails here, before anything runs
         if not self._lock.acquire(timeout=limit_s):
             raise GrammarError(
                 f"spec: {self.name} could not start compiling this {spec.kind} spec within its limit of "
@@ -552,11 +614,19 @@ class CompileWorker:
             recv, pid = self._recv, self._server[0]
             assert recv is not None and pid is not None
             conn.send(spec)
-            outcome, cpu, wall = self._wait(recv, pid, limit_s, deadline)
+            outcome, cpu, wall = self._wait(recv, pid, limit_s, deadline, memory)
             self.last_cpu_s, self.last_wall_s = cpu, wall
             if outcome != "answer":
                 self.killed += 1
                 self._end_server()  # gone before the caller gets control back; the start-up process stays
+                if outcome == "memory":
+                    assert memory is not None
+                    raise GrammarError(
+                        f"spec: {self.name} stopped compiling this {spec.kind} spec at its memory limit: the "
+                        f"compile held {self.last_rss_bytes / 2**20:.0f} MiB, more than {memory / 2**20:.0f} MiB, "
+                        f"after {cpu:.2f} s of CPU time (set {MEMORY_LIMIT_ENV} to allow more; the default is "
+                        "half of this machine's memory)"
+                    )
                 if outcome == "limit":
                     raise GrammarError(
                         f"spec: {self.name} did not compile this {spec.kind} spec within its limit of {limit_s:g} s; "
@@ -573,7 +643,9 @@ class CompileWorker:
             except (EOFError, OSError) as exc:
                 self._end_server()
                 raise GrammarError(
-                    f"spec: the {self.name} compile worker died compiling this {spec.kind} spec"
+                    f"spec: the {self.name} compile worker died compiling this {spec.kind} spec (after "
+                    f"{cpu:.2f} s of CPU time, holding {self.last_rss_bytes / 2**20:.0f} MiB when last read; "
+                    "the machine may have run out of memory)"
                 ) from exc
             self.compiles += 1
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -55,6 +56,31 @@ def _spinning() -> Callable[[GrammarSpec], Any]:
         x = 0
         while True:
             x += 1
+
+    return run
+
+
+def _hungry(step_mb: int, most_mb: int) -> Callable[[GrammarSpec], Any]:
+    """A compile that keeps taking memory, ``step_mb`` every few milliseconds up to ``most_mb`` (or "small")."""
+
+    def run(spec: GrammarSpec) -> str:
+        if spec.source == "small":
+            return "answered"
+        held = []
+        for _ in range(most_mb // step_mb):
+            held.append(b"\x01" * (step_mb << 20))  # written, so resident
+            time.sleep(0.005)
+        return f"held {len(held) * step_mb} MB"
+
+    return run
+
+
+def _killed() -> Callable[[GrammarSpec], Any]:
+    """A compile whose process is killed (as by the kernel's out-of-memory killer)."""
+
+    def run(spec: GrammarSpec) -> str:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return "never"
 
     return run
 
@@ -272,3 +298,64 @@ def test_a_caller_killed_mid_compile_leaves_nothing_running() -> None:
         time.sleep(0.05)
     assert _gone(zygote), "the start-up process outlived its caller"
     assert _gone(server), "the compile server kept compiling after its caller was killed"
+
+
+# -- memory: a compile that holds too much is stopped, naming the limit ---------------------------
+
+
+def test_a_compile_past_its_memory_limit_is_stopped_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = CompileWorker("hungry", _hungry, (32, 4096))
+    w.start()
+    assert w.run(GrammarSpec("regex", "small"), 30.0) == "answered"  # a server, at its resting size
+    pid = w.pid
+    assert pid is not None
+    usage = limits_mod._usage(pid)
+    assert usage is not None
+    resting = usage[1]
+    # 256 MiB above what the server holds at rest; the compile would take 4 GiB.
+    limit_mib = resting // 2**20 + 256
+    monkeypatch.setenv(limits_mod.MEMORY_LIMIT_ENV, str(limit_mib))
+    with pytest.raises(GrammarError, match=r"stopped compiling this regex spec at its memory limit: the compile held"):
+        w.run(GrammarSpec("regex", "big"), 60.0)
+    assert _gone(pid) and w.killed == 1
+    assert limit_mib << 20 < w.last_rss_bytes < (limit_mib + 768) << 20  # stopped soon after, not at 4 GiB
+    # The next compile gets a new server; with no limit the same compile completes.
+    assert w.run(GrammarSpec("regex", "small"), 30.0) == "answered"
+    monkeypatch.setenv(limits_mod.MEMORY_LIMIT_ENV, "none")
+    w2 = CompileWorker("hungry", _hungry, (32, 320))
+    w2.start()
+    assert w2.run(GrammarSpec("regex", "big"), 60.0) == "held 320 MB"
+    w.close()
+    w2.close()
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "lots", "nan", "inf", "1e400"])
+def test_a_bad_memory_limit_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    monkeypatch.setenv(limits_mod.MEMORY_LIMIT_ENV, bad)
+    with pytest.raises(GrammarError, match=rf"{limits_mod.MEMORY_LIMIT_ENV}: expected a number of MiB > 0 or 'none'"):
+        limits_mod.compile_memory_limit()
+    w = CompileWorker("hungry", _hungry, (32, 64))
+    with pytest.raises(GrammarError, match=limits_mod.MEMORY_LIMIT_ENV):
+        w.run(GrammarSpec("regex", "small"), 30.0)
+    assert w.started == 0 and w.compiles == 0  # refused before anything ran
+    w.close()
+
+
+def test_the_default_memory_limit_is_half_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(limits_mod.MEMORY_LIMIT_ENV, raising=False)
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert limits_mod.compile_memory_limit() == total // 2
+    monkeypatch.setenv(limits_mod.MEMORY_LIMIT_ENV, " None ")
+    assert limits_mod.compile_memory_limit() is None
+    monkeypatch.setenv(limits_mod.MEMORY_LIMIT_ENV, "1.5")
+    assert limits_mod.compile_memory_limit() == int(1.5 * 2**20)
+
+
+def test_a_compile_worker_killed_from_outside_fails_its_request_saying_so() -> None:
+    w = CompileWorker("killed", _killed, ())
+    w.start()
+    with pytest.raises(GrammarError, match=r"the killed compile worker died compiling this regex spec \(after .* MiB"):
+        w.run(GrammarSpec("regex", "a"), 30.0)
+    with pytest.raises(GrammarError, match="died compiling"):  # the next request gets a new server, and fails alike
+        w.run(GrammarSpec("regex", "a"), 30.0)
+    w.close()
