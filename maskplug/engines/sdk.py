@@ -323,6 +323,8 @@ def ragged_mapping(batch_index: Sequence[int], rows: Sequence[int], num_batch: i
     g = len(batch_index)
     if len(rows) != g:
         raise LayoutError(f"rows: expected {g} counts (one per grammar request), got {len(rows)}")
+    if g <= _FEW_REQUESTS:
+        return _ragged_few([int(b) for b in batch_index], [int(r) for r in rows], num_batch)
     idx = np.asarray(batch_index, dtype=np.int64).reshape(g)
     per = np.asarray(rows, dtype=np.int64).reshape(g)
     if g:
@@ -344,3 +346,30 @@ def ragged_mapping(batch_index: Sequence[int], rows: Sequence[int], num_batch: i
     position = np.arange(total, dtype=np.int32)
     position -= np.repeat(starts, per)
     return RowMapping._checked(request, position, int(idx.max()) + 1 if g else 0)
+
+
+#: Up to this many grammar requests :func:`ragged_mapping` works on Python lists (fewer numpy calls).
+_FEW_REQUESTS = 64
+
+
+def _ragged_few(idx: list[int], per: list[int], num_batch: int) -> RowMapping:
+    """:func:`ragged_mapping` of a few requests, its checks and rows in Python lists (the same checks and result)."""
+    if idx:
+        lo, hi = min(idx), max(idx)
+        if lo < 0 or hi >= num_batch:
+            raise LayoutError(f"batch_index: expected indices in [0, {num_batch}), got {lo if lo < 0 else hi}")
+        if len(set(idx)) != len(idx):
+            raise LayoutError("batch_index: expected each batch request at most once, got a repeat")
+        if min(per) < 1:
+            raise LayoutError(f"rows: expected at least 1 row per grammar request, got {min(per)}")
+    total = sum(per)
+    if total > INT32_MAX:
+        raise LayoutError(f"rows: expected at most 2**31 - 1 mask rows (int32 row indices), got {total}")
+    request: list[int] = []
+    position: list[int] = []
+    for b, k in zip(idx, per, strict=True):
+        request += [b] * k
+        position += range(k)
+    return RowMapping._checked(
+        np.array(request, dtype=np.int32), np.array(position, dtype=np.int32), max(idx) + 1 if idx else 0
+    )

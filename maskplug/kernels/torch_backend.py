@@ -319,18 +319,16 @@ def _apply_run_cpu(
 ) -> None:
     """Mask narrow logits rows ``x[j]`` (``<= _SMALL_ROW`` columns, an integer view) with ``words[j]``, all at once.
 
-    What :func:`_apply_row_cpu` writes row by row, as one masked store.
+    What :func:`_apply_row_cpu` writes row by row, branch-free over all of
+    them (a masked store costs several times more per element once there are
+    more than a few hundred).
     """
     width = x.shape[1]
     n = min(vocab_size, width)
     if n:
         nw = (n + 31) // 32
         w = words if words.shape[1] == nw else words[:, :nw]
-        drop = _DROP_BITS.take(w.view(np.uint8)).view(np.bool_)
-        if n == width == drop.shape[1]:
-            x[drop] = ninf
-        else:
-            x[:, :n][drop[:, :n]] = ninf
+        _dense_block(x, w.view(np.uint8), n, _scratch(ninf.dtype, x.shape[0] * n), ninf)
     if mask_tail and n < width:
         x[:, n:] = ninf
 
@@ -380,12 +378,19 @@ def mask_rows_cpu(
         )
         return
     if width <= _SMALL_ROW and len(live) > 1:
-        # A request's drafts and bonus: mask rows i0.. onto logits rows d0.., in one masked store.
         d0, i0 = live[0]
         m = len(live)
         if live[-1] == (d0 + m - 1, i0 + m - 1) and all(d == d0 + j and i == i0 + j for j, (d, i) in enumerate(live)):
+            # A request's drafts and bonus: mask rows i0.. onto logits rows d0.., in one masked store.
             _apply_run_cpu(xi[d0 : d0 + m], words[i0 : i0 + m], vocab_size, mask_tail, ninf)
             return
+        # Several requests: their rows gathered, masked in one store, put back (the logits rows are distinct).
+        dst = np.fromiter((d for d, _ in live), dtype=np.intp, count=m)
+        src = np.fromiter((i for _, i in live), dtype=np.intp, count=m)
+        rows = xi[dst]
+        _apply_run_cpu(rows, words[src], vocab_size, mask_tail, ninf)
+        xi[dst] = rows
+        return
     keep = _NO_KEEP if width <= _SMALL_ROW else _scratch(ninf.dtype, min(width, max(32, _CHUNK_ELEMS // 32 * 32)))
     for d, i in live:
         _apply_row_cpu(xi[d], words[i], vocab_size, mask_tail, ninf, keep)

@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug.engines import sdk as engine_sdk
 from maskplug.engines.sdk import (
     GuardedGrammar,
     PatchSet,
@@ -418,9 +419,22 @@ def test_accept_emitted_takes_what_accept_takes(size: int, tokens: list[Any], wr
     drafts=st.lists(st.integers(0, 6), min_size=1, max_size=40),
     seed=st.integers(0, 2**32 - 1),
     bonus=st.integers(1, 2),
+    few=st.sampled_from([0, 64]),
 )
-def test_ragged_mapping_is_what_grammar_rows_map(drafts: list[int], seed: int, bonus: int) -> None:
-    """Any subset of the batch, in any order, as grammar requests: the same rows, trusted by the apply."""
+def test_ragged_mapping_is_what_grammar_rows_map(drafts: list[int], seed: int, bonus: int, few: int) -> None:
+    """Any subset of the batch, in any order, as grammar requests: the same rows, trusted by the apply.
+
+    ``few``: the most requests mapped with Python lists (0: every mapping through numpy).
+    """
+    saved = engine_sdk._FEW_REQUESTS
+    engine_sdk._FEW_REQUESTS = few
+    try:
+        _ragged_matches(drafts, seed, bonus)
+    finally:
+        engine_sdk._FEW_REQUESTS = saved
+
+
+def _ragged_matches(drafts: list[int], seed: int, bonus: int) -> None:
     rng = np.random.default_rng(seed)
     n = len(drafts)
     ids = [f"r{i}" for i in range(n)]
@@ -445,8 +459,10 @@ def test_ragged_mapping_is_what_grammar_rows_map(drafts: list[int], seed: int, b
         ([0], [2**31], 1, r"rows: expected at most 2\*\*31 - 1 mask rows"),
     ],
 )
+@pytest.mark.parametrize("few", [0, 64])
 def test_ragged_mapping_refuses_bad_input_naming_it(
-    batch_index: list[int], rows: list[int], num_batch: int, message: str
+    batch_index: list[int], rows: list[int], num_batch: int, message: str, few: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(engine_sdk, "_FEW_REQUESTS", few)
     with pytest.raises(LayoutError, match=message):
         ragged_mapping(batch_index, rows, num_batch)

@@ -77,11 +77,12 @@ def _scheduled_step(req_ids: list[str], gids: list[str], spec: Mapping[str, list
     index = {r: i for i, r in enumerate(req_ids)}
     idx = [index.get(g, -1) for g in gids]
     if len(index) == n and -1 not in idx and len(set(idx)) == len(idx):
-        c = np.array(counts, dtype=np.int64)
-        c += 1
-        cu = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(c, out=cu[1:])
-        hit = (ragged_mapping(idx, c[idx], n), cu, 0)
+        cu_list = [0] * (n + 1)
+        acc = 0
+        for i, c in enumerate(counts):
+            acc += c + 1
+            cu_list[i + 1] = acc
+        hit = (ragged_mapping(idx, [counts[b] + 1 for b in idx], n), np.array(cu_list, dtype=np.int64), 0)
     else:
         rows = step_rows(req_ids, gids, np.array(counts, dtype=np.int64), 1, spec)
         hit = (rows.mapping, rows.pad_cu_logits(rows.layout.cu_scheduled[: rows.num_batch + 1]), rows.layout.n - n)
