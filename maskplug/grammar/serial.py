@@ -209,12 +209,7 @@ def _complete(
         else:
             below = whole
     else:
-        if size == words * 32:
-            # The vocabulary fills its words (tekken, Llama, most real ones): one count over whole rows.
-            count = np.bitwise_count(sub.view(np.uint64) if words % 2 == 0 else sub.view(np.uint32)).sum(axis=1)
-            below_arr = count
-        else:
-            count, below_arr = row_counts(bitmask, total, None, size)
+        count, below_arr = row_counts(bitmask, total, None, size)
         below = below_arr.tolist()
         whole = count.tolist() if below_arr is not count else below
     spans = []
