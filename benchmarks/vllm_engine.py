@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("structured", "mixed"),
         default="structured",
         help="structured: JSON schema and regex requests; mixed: half whose drafts are mostly accepted "
-        "(a copied answer), half whose drafts mostly fail (free text)",
+        "(a copied answer), half whose drafts mostly fail (letters the drafter cannot predict)",
     )
     p.add_argument(
         "--drafter",

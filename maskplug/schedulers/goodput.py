@@ -126,6 +126,19 @@ class GoodputScheduler:
     observes a 1 at positions ``0..k-1``, a 0 at position ``k`` when ``k < c``,
     and nothing further on.
 
+    A new request's first observations weigh more than ``alpha``: its
+    estimate at a position is the running mean of its observations with the
+    prior counted as ``prior_weight`` observations (after one accepted draft
+    from a prior of 0.5, 0.75; after one rejected, 0.25), until that mean's
+    step ``1 / (prior_weight + n + 1)`` falls to ``alpha`` and the average
+    turns exponential. Requests live a few dozen steps, so with a fixed
+    ``alpha = 0.1`` a request whose drafts are always accepted would spend most
+    of its life near the prior (0.83 after ten steps from 0.5), and so would
+    one whose drafts always fail. The population average (below) starts the
+    same way, one step's mean counting as one observation.
+    ``prior_weight=None`` keeps the plain exponential averages from the first
+    observation.
+
     Prior for new requests: the population estimate per position, an
     average over every observation of every request (weight
     ``population_alpha`` on each step's mean), which itself starts at ``prior`` (default 0.5, a
@@ -142,7 +155,20 @@ class GoodputScheduler:
     name = "goodput"
     uses_grammar = False
 
-    def __init__(self, alpha: float = 0.1, prior: float = 0.5, population_alpha: float = 0.05) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.1,
+        prior: float = 0.5,
+        population_alpha: float = 0.05,
+        prior_weight: float | None = 1.0,
+    ) -> None:
+        if prior_weight is not None and (
+            isinstance(prior_weight, bool)
+            or not isinstance(prior_weight, (int, float, np.floating))
+            or not np.isfinite(prior_weight)
+            or prior_weight < 0
+        ):
+            raise BudgetError(f"prior_weight: expected a finite number >= 0 or None, got {prior_weight!r}")
         for nm, v, lo_open in (
             ("alpha", alpha, True),
             ("prior", prior, False),
@@ -155,9 +181,13 @@ class GoodputScheduler:
         self.alpha = float(alpha)
         self.prior = float(prior)
         self.population_alpha = float(population_alpha)
+        self.prior_weight = None if prior_weight is None else float(prior_weight)
         self._ids = _IdTable()
         self._est = np.zeros((0, 0), dtype=np.float64)
+        # Observations per request and position, for the running mean's step (shape of ``_est``).
+        self._seen = np.zeros((0, 0), dtype=np.float64)
         self._population = np.zeros(0, dtype=np.float64)
+        self._population_seen = np.zeros(0, dtype=np.float64)  # steps that observed each position
 
     def _widen(self, rows: int, cols: int) -> None:
         r0, c0 = self._est.shape
@@ -165,15 +195,25 @@ class GoodputScheduler:
             pop = np.full(cols, self.prior)
             pop[:c0] = self._population
             self._population = pop
+            pop_seen = np.zeros(cols)
+            pop_seen[:c0] = self._population_seen
+            self._population_seen = pop_seen
             est = np.empty((r0, cols))
             est[:, :c0] = self._est
             est[:, c0:] = self.prior  # never observed at these positions: the prior
             self._est = est
+            seen = np.zeros((r0, cols))
+            seen[:, :c0] = self._seen
+            self._seen = seen
         r0, c0 = self._est.shape
         if rows > r0:
-            est = np.empty((max(rows, 2 * r0, 16), c0))
+            size = max(rows, 2 * r0, 16)
+            est = np.empty((size, c0))
             est[:r0] = self._est
             self._est = est
+            seen = np.zeros((size, c0))
+            seen[:r0] = self._seen
+            self._seen = seen
 
     def population(self, num_positions: int) -> FloatArray:
         """The prior a new request gets, per position (a copy)."""
@@ -216,6 +256,7 @@ class GoodputScheduler:
                 fresh = self._ids.add(ids[new])
                 self._widen(int(fresh.max()) + 1, k)
                 self._est[fresh] = self._population
+                self._seen[fresh] = 0.0
                 rows[new] = fresh
             self._widen(0, k)
             if k:
@@ -223,11 +264,23 @@ class GoodputScheduler:
                 seen = (pos < v[:, None]) & (pos <= acc[:, None])
                 hit = (pos < acc[:, None]).astype(np.float64)
                 cur = self._est[rows, :k]
-                self._est[rows, :k] = np.where(seen, cur + self.alpha * (hit - cur), cur)
+                if self.prior_weight is None:
+                    rate: float | FloatArray = self.alpha
+                else:
+                    n_seen = self._seen[rows, :k]
+                    rate = np.maximum(self.alpha, 1.0 / (self.prior_weight + n_seen + 1.0))
+                    self._seen[rows, :k] = n_seen + seen
+                self._est[rows, :k] = np.where(seen, cur + rate * (hit - cur), cur)
                 count = seen.sum(axis=0)
                 obs = count > 0
                 mean = np.divide((hit * seen).sum(axis=0), count, out=np.zeros(k), where=obs)
                 pop = self._population[:k]
-                self._population[:k] = np.where(obs, pop + self.population_alpha * (mean - pop), pop)
+                if self.prior_weight is None:
+                    prate: float | FloatArray = self.population_alpha
+                else:
+                    n_pop = self._population_seen[:k]
+                    prate = np.maximum(self.population_alpha, 1.0 / (self.prior_weight + n_pop + 1.0))
+                    self._population_seen[:k] = n_pop + obs
+                self._population[:k] = np.where(obs, pop + prate * (mean - pop), pop)
         if outcome.finished.size:
             self._ids.remove(outcome.finished)

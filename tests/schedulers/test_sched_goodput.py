@@ -109,3 +109,41 @@ def test_goodput_config_and_outcome_validation() -> None:
     sched.observe(mp.StepOutcome(np.array([1]), np.array([1]), np.array([1])))
     with pytest.raises(mp.BudgetError, match="req_ids"):
         sched.observe(mp.StepOutcome(np.array(["s"]), np.array([1]), np.array([1])))
+
+
+def test_first_observations_weigh_as_a_running_mean_with_the_prior() -> None:
+    """prior_weight=1: the prior counts as one observation until the mean's step falls to alpha."""
+    sched = GoodputScheduler(alpha=0.1, prior=0.5, population_alpha=0.05)
+    plain = GoodputScheduler(alpha=0.1, prior=0.5, population_alpha=0.05, prior_weight=None)
+    want, want_plain, pop, n_pop = 0.5, 0.5, 0.5, 0
+    for n in range(1, 16):
+        # "a" accepts its only verified draft every step; "b" never verifies past position 0 and rejects it
+        out = mp.StepOutcome(np.array(["a", "b"]), np.array([1, 1]), np.array([1, 0]))
+        sched.observe(out)
+        plain.observe(out)
+        want += max(0.1, 1 / (1 + n)) * (1.0 - want)
+        want_plain += 0.1 * (1.0 - want_plain)
+        n_pop += 1
+        pop += max(0.05, 1 / (1 + n_pop)) * (0.5 - pop)  # the step's mean at position 0: (1 + 0) / 2
+        np.testing.assert_allclose(sched.estimates(["a"], 1)[0, 0], want)
+        np.testing.assert_allclose(sched.estimates(["b"], 1)[0, 0], 1.0 - want)
+        np.testing.assert_allclose(plain.estimates(["a"], 1)[0, 0], want_plain)
+        np.testing.assert_allclose(sched.population(1)[0], pop)
+    # running mean: (0.5 + 1 + ... + 1) / (1 + n) while 1 / (1 + n) >= alpha, i.e. 0.95 after nine hits
+    sched2 = GoodputScheduler(alpha=0.1)
+    for _ in range(9):
+        sched2.observe(mp.StepOutcome(np.array([7]), np.array([1]), np.array([1])))
+    np.testing.assert_allclose(sched2.estimates([7], 1)[0, 0], 9.5 / 10)
+    # a row freed and handed to a new id starts its count again
+    sched2.observe(mp.StepOutcome(np.array([7]), np.array([0]), np.array([0]), finished=np.array([7])))
+    p0 = sched2.population(1)[0]
+    np.testing.assert_allclose(p0, 9.5 / 10)  # the population saw the same nine steps
+    sched2.observe(mp.StepOutcome(np.array([8]), np.array([1]), np.array([0])))
+    # 8 starts from the population estimate before this step and weighs its first rejection by 1/2
+    np.testing.assert_allclose(sched2.estimates([8], 1)[0, 0], p0 / 2)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "1", True])
+def test_prior_weight_is_checked(bad: object) -> None:
+    with pytest.raises(mp.BudgetError, match="prior_weight"):
+        GoodputScheduler(prior_weight=bad)  # type: ignore[arg-type]

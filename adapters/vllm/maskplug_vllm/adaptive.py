@@ -263,7 +263,18 @@ class _Plan:
     plan.
     """
 
-    __slots__ = ("_capacity", "_layout", "_nst", "_spec", "budget", "finished", "num_grammar", "regime", "structured")
+    __slots__ = (
+        "_capacity",
+        "_layout",
+        "_nst",
+        "_spec",
+        "budget",
+        "finished",
+        "num_grammar",
+        "probe",
+        "regime",
+        "structured",
+    )
 
     def __init__(
         self,
@@ -284,6 +295,8 @@ class _Plan:
         self.finished = finished
         self._nst: Mapping[str, int] | None = None
         self._spec: Mapping[str, Sequence[int]] | None = None
+        #: Batch index → the first draft the budget trimmed, for requests that lost some (see ``finish``).
+        self.probe: dict[int, int] | None = None
 
     @classmethod
     def all_drafts(
@@ -437,7 +450,10 @@ class _Controller:
         capacity = self._split(view, b, live)
         comp = compact(layout, b, capacity)
         setattr(so, VERIFY_STEP_ATTR, _verify_step(so, layout, capacity, comp))
-        return _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
+        plan = _Plan(layout, b, capacity, comp.regime, structured, len(gids), finished)
+        # Read now: vLLM trims and replaces a request's draft list in place on later steps.
+        plan.probe = {i: int(spec[ids[i]][c]) for i, c in enumerate(capacity.tolist()) if c < nd[i]}
+        return plan
 
     def _plan_all(self, so: Any, nst: Mapping[str, int], spec: Mapping[str, list[int]], grammar_output: Any) -> _Plan:
         """:meth:`plan` for the built-in ``verify-all``: every draft kept, nothing attached, no arrays.
@@ -541,15 +557,18 @@ class _Controller:
             emitted = np.array(emitted_list, dtype=np.int64)
             # Only requests that had drafts scheduled say anything about acceptance.
             sel = np.flatnonzero((emitted > 0) & (lay.num_drafts > 0))
-            accepted = np.minimum(np.maximum(emitted[sel] - 1, 0), plan.capacity[sel])
+            verified = plan.capacity[sel]
+            accepted = np.minimum(np.maximum(emitted[sel] - 1, 0), verified)
+            num_accepted = int(accepted.sum())
+            if plan.probe:
+                verified, accepted = _probed(plan.probe, sel, verified, accepted, ids, sampled, get)
             outcome = StepOutcome(
                 req_ids=lay.req_ids[sel] if sel.size else _NO_IDS,
-                verified=plan.capacity[sel],
+                verified=verified,
                 accepted=accepted,
                 finished=np.asarray(plan.finished, dtype=str) if plan.finished else _NO_IDS,
             )
             self.scheduler.observe(outcome)
-            num_accepted = int(accepted.sum())
         self._count(plan, num_emitted, num_accepted, lay.total_drafts)
 
     def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
@@ -587,6 +606,43 @@ class _Controller:
                 "finished": len(plan.finished),
             }
         )
+
+
+def _probed(
+    probe: Mapping[int, int],
+    sel: npt.NDArray[np.intp],
+    verified: npt.NDArray[np.int64],
+    accepted: npt.NDArray[np.int64],
+    ids: list[str],
+    sampled: Sequence[Sequence[int]],
+    index: Callable[[str], int | None],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The outcome with each request's first trimmed draft judged by the token the step emitted.
+
+    A request whose verified drafts were all accepted emits one more token,
+    sampled by the target at exactly the position of its first trimmed
+    draft: the draft would have been accepted iff it equals that token.
+    Under greedy decoding that is what verification would have found; for a
+    drafter that proposes a single token per position (n-gram) it also holds
+    in distribution under sampling (acceptance probability ``p(draft)``, the
+    chance that the sampled token is the draft). Without it a request whose
+    budget reached 0 would never be observed again, and one that started
+    from a pessimistic prior (a batch of rejected drafts around a request
+    whose drafts are good) would never be verified at all. For a draft model
+    under sampling it is conservative (acceptance ``min(1, p / q) >= p``).
+    """
+    verified = verified.copy()
+    accepted = accepted.copy()
+    for k, i in enumerate(sel.tolist()):
+        draft = probe.get(i)
+        if draft is None or accepted[k] != verified[k]:
+            continue  # nothing trimmed, or a verified draft was rejected: the emitted token is not at the probe
+        j = index(ids[i])
+        assert j is not None  # `sel` holds only requests that emitted tokens
+        verified[k] += 1
+        if sampled[j][-1] == draft:
+            accepted[k] += 1
+    return verified, accepted
 
 
 def _draft_masks_for(layout: ScheduledLayout, grammar_output: Any) -> DraftMasks | None:

@@ -204,8 +204,14 @@ def test_finish_reports_the_outcome_counts_and_fires_the_hook() -> None:
             o = sched.outcomes[-1]
             drafted = nd > 0  # only requests with drafts scheduled tell anything about acceptance
             assert o.req_ids.tolist() == [r for r, d in zip(ids, drafted, strict=True) if d]
-            assert o.verified.tolist() == plan.capacity[drafted].tolist()
-            assert o.accepted.tolist() == acc[drafted].tolist()
+            # every verified draft accepted and some trimmed: the first trimmed one is judged by the emitted token
+            cap = plan.capacity
+            probe = (acc == cap) & (cap < nd)
+            hit = np.array(
+                [bool(probe[i]) and so.scheduled_spec_decode_tokens[r][cap[i]] == 7 for i, r in enumerate(ids)]
+            )
+            assert o.verified.tolist() == (cap + probe)[drafted].tolist()
+            assert o.accepted.tolist() == (acc + hit)[drafted].tolist()
             assert sorted(o.finished.tolist()) == ["gone-1", "gone-2"]
             expect_acc += int(acc.sum())
             expect_ver += plan.budget
@@ -545,3 +551,45 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
         assert a.layout.req_ids.tolist() == b.layout.req_ids.tolist()
     assert fast.stats == general.stats
     assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
+
+
+def test_the_first_trimmed_draft_is_judged_by_the_emitted_token() -> None:
+    """A request whose verified drafts were all accepted tells the scheduler about its first trimmed draft too."""
+    rng = np.random.default_rng(11)
+    probed = 0
+    for _ in range(300):
+        so, ids, nd, _ = _step(rng)
+        total = int(nd.sum())
+        sched = FixedBudget(int(rng.integers(0, total + 1)))
+        ctl = adaptive._Controller(sched, "fixed", CostModel.linear())
+        drafts = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}
+        plan = ctl.plan(so)
+        cap = dict(zip(ids, plan.capacity.tolist(), strict=True))
+        # vLLM trims a request's draft list in place when it schedules it again: the probe was read at plan time
+        for v in so.scheduled_spec_decode_tokens.values():
+            del v[1:]
+        sampled, want = [], {}
+        for i, r in enumerate(ids):
+            c, d = cap[r], drafts.get(r, [])
+            a = int(rng.integers(0, c + 1))
+            if a < c:
+                bonus = (d[a] + 1) % 500  # the first rejected draft's position: not the draft
+            elif a < len(d) and rng.random() < 0.5:
+                bonus = d[a]  # the first trimmed draft, which verification would have accepted
+            else:
+                bonus = int(rng.integers(500, 600))  # never a draft
+            sampled.append([*d[:a], bonus])
+            if nd[i] > 0:
+                probe = a == c < len(d)
+                want[r] = (c + probe, a + (probe and bonus == d[a]))
+                probed += probe
+        ctl.finish(plan, SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={r: i for i, r in enumerate(ids)}))
+        (out,) = sched.outcomes
+        got = {str(r): (int(v), int(a)) for r, v, a in zip(out.req_ids, out.verified, out.accepted, strict=True)}
+        assert got == want
+        # the counters count what was verified, not the probe
+        assert ctl.stats["drafts_verified"] == plan.budget
+        assert ctl.stats["drafts_accepted"] == sum(
+            min(len(s) - 1, cap[r]) for r, s in zip(ids, sampled, strict=True) if nd[ids.index(r)] > 0
+        )
+    assert probed > 100
