@@ -623,7 +623,7 @@ class CompileWorker:
                     assert memory is not None
                     raise GrammarError(
                         f"spec: {self.name} stopped compiling this {spec.kind} spec at its memory limit: the "
-                        f"compile held {self.last_rss_bytes / 2**20:.0f} MiB, more than {memory / 2**20:.0f} MiB, "
+                        f"compile held {self.last_rss_bytes / 2**20:.1f} MiB, more than its {memory / 2**20:.1f} MiB, "
                         f"after {cpu:.2f} s of CPU time (set {MEMORY_LIMIT_ENV} to allow more; the default is "
                         "half of this machine's memory)"
                     )
