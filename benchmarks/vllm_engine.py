@@ -57,6 +57,11 @@ with other work only the wall clock stretches). ``--clock`` picks the one the
 summary compares (default ``cpu``). With
 ``--rounds R`` every engine runs R times, round after round, and each cell
 keeps its fastest round (other work on the machine only ever slows a run).
+With more than one round the summary also gives, for each adaptive
+scheduler, the median of its per-round ratios to that round's best baseline.
+``--schedulers`` replaces the adaptive engine's schedulers (``no-spec`` there
+runs the speculative engine at budget zero: what the machinery costs when
+nothing is verified; its row is ``no-spec (maskplug)``).
 ``--json`` writes everything measured.
 """
 
@@ -65,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,6 +103,11 @@ def _engine_kwargs(cfg: dict[str, Any], spec: int, max_num_seqs: int) -> dict[st
     if cfg.get("tp", 1) > 1:
         extra["tensor_parallel_size"] = cfg["tp"]
     return tiny.engine_kwargs(cfg["model"], _speculative(cfg, spec), max_num_seqs, **extra)
+
+
+def _config_label(scheduler: str) -> str:
+    """A maskplug scheduler's row: its name, marked when it is also a baseline's (``no-spec``)."""
+    return f"{scheduler} (maskplug)" if scheduler in BASELINES else scheduler
 
 
 def _structured_workload(n: int, seed: int, kind: str = "structured") -> list[dict[str, Any]]:
@@ -148,7 +159,7 @@ def child(spec_json: str) -> None:
             if name is not None:
                 maskplug_vllm.reset_step_stats()
             res = tiny.closed_loop(engine, _structured_workload(n, c, kind), c, cfg["max_tokens"], f"run-{name}-{c}")
-            res.update(config=name or cfg["label"], concurrency=c)
+            res.update(config=_config_label(name) if name else cfg["label"], concurrency=c)
             if name is not None:
                 res["stats"] = maskplug_vllm.step_stats()
             results.append(res)
@@ -181,6 +192,28 @@ def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     if not lines:
         raise SystemExit(f"engine {cfg['label']} printed no results:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     return json.loads(lines[-1][len(_RESULTS) :])  # type: ignore[no-any-return]
+
+
+def _round_ratios(
+    results: list[dict[str, Any]], rate: str, adaptive: list[str], conc: list[int], rounds: int
+) -> dict[tuple[str, int], list[float]]:
+    """Each round's ratio of every adaptive configuration to that round's best baseline.
+
+    ``results`` holds every configuration once per round, in round order.
+    """
+    out: dict[tuple[str, int], list[float]] = {}
+    for c in conc:
+        seen: dict[str, list[float]] = {}
+        for r in results:
+            if r["concurrency"] == c:
+                seen.setdefault(r["config"], []).append(r[rate])
+        for a in adaptive:
+            ratios = []
+            for i in range(rounds):
+                best = max(seen[b][i] for b in BASELINES)
+                ratios.append(seen[a][i] / best)
+            out[a, c] = ratios
+    return out
 
 
 def _load() -> str:
@@ -273,6 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         help="tensor_parallel_size (>1: vLLM's multiprocess engine, VLLM_CPU_OMP_THREADS_BIND one core per "
         "rank, one scheduler per engine, wall clock)",
     )
+    p.add_argument(
+        "--schedulers",
+        default=None,
+        help="comma-separated maskplug schedulers for the adaptive engine (default: goodput,grammar-aware:goodput, "
+        "or dspark,grammar-aware:dspark with the draft model); e.g. no-spec,goodput measures what the speculative "
+        "machinery costs when nothing is verified",
+    )
     p.add_argument("--model-dir", default=None, help="build the model here (default: a temporary folder)")
     p.add_argument("--cost", default=None, help="use this cost file instead of calibrating")
     p.add_argument("--json", default=None, help="write every figure to this file")
@@ -287,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--tp > 1: the summary uses the wall clock (the engine runs in other processes)")
         args.clock = "wall"
     adaptive = ADAPTIVE_DRAFT_MODEL if args.drafter == "draft_model" else ADAPTIVE
+    if args.schedulers:
+        adaptive = [x.strip() for x in args.schedulers.split(",") if x.strip()]
     # One compute thread per engine (inherited by the calibration and every engine process): vLLM's
     # CPU worker otherwise binds one OpenMP thread per core, and on a machine shared with other work
     # those threads wait on each other at every barrier.
@@ -349,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": adaptive})
         elapsed = time.perf_counter() - t0
+    adaptive = [_config_label(a) for a in adaptive]
     configs = [*BASELINES, *adaptive]
     rate, step = ("tokens_per_cpu_s", "mean_step_cpu_ms") if args.clock == "cpu" else ("tokens_per_s", "mean_step_ms")
     # Interference from other work on the machine only ever slows a run: keep each cell's fastest round.
@@ -366,15 +409,29 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs:
         cells = [f"{table[cfg, c][rate]:9.1f} ({table[cfg, c][step]:6.1f})" for c in conc]
         print(f"{cfg:<24}" + "".join(f"{x:>20}" for x in cells))
-    print(f"\nadaptive against the best of no-spec and fixed K (ratio of tokens/s, {clock})")
+    print(f"\nadaptive against the best of no-spec and fixed K (ratio of tokens/s, {clock}; best rounds)")
     summary = []
+    per_round = _round_ratios(results, rate, adaptive, conc, args.rounds)
     for c in conc:
         best = max(BASELINES, key=lambda b: table[b, c][rate])
         row = {"concurrency": c, "clock": args.clock, "best_baseline": best, "best_tokens_per_s": table[best, c][rate]}
         for a in adaptive:
             row[a] = table[a, c][rate] / table[best, c][rate]
+            row[f"{a} per round"] = per_round[a, c]
         summary.append(row)
         print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in adaptive))
+    if args.rounds > 1:
+        # Rounds run one after the other, every configuration once per round: a ratio within a round
+        # compares engines that ran minutes apart, not hours, so the median of those is the steadier figure.
+        print(
+            "\nthe same, round by round (each round's adaptive engine against that round's best baseline): median [all]"
+        )
+        for c in conc:
+            cells = []
+            for a in adaptive:
+                rs = per_round[a, c]
+                cells.append(f"  {a}: {statistics.median(rs):.3f} [{', '.join(f'{x:.3f}' for x in rs)}]")
+            print(f"c={c:<3}" + "".join(cells))
     for cfg in adaptive:
         for c in conc:
             s = table[cfg, c]["stats"]
