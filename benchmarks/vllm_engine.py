@@ -57,8 +57,10 @@ with other work only the wall clock stretches). ``--clock`` picks the one the
 summary compares (default ``cpu``). With
 ``--rounds R`` every engine runs R times, round after round, and each cell
 keeps its fastest round (other work on the machine only ever slows a run).
-With more than one round the summary also gives, for each adaptive
-scheduler, the median of its per-round ratios to that round's best baseline.
+The summary compares each adaptive scheduler with the best of every
+baseline (no speculation included) and with the best fixed K >= 1 alone;
+with more than one round it also gives the median of its per-round ratios
+to that round's best.
 ``--schedulers`` replaces the adaptive engine's schedulers (``no-spec`` there
 runs the speculative engine at budget zero: what the machinery costs when
 nothing is verified; its row is ``no-spec (maskplug)``).
@@ -195,12 +197,18 @@ def _run_child(cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _round_ratios(
-    results: list[dict[str, Any]], rate: str, adaptive: list[str], conc: list[int], rounds: int
+    results: list[dict[str, Any]],
+    rate: str,
+    adaptive: list[str],
+    conc: list[int],
+    rounds: int,
+    baselines: list[str] | None = None,
 ) -> dict[tuple[str, int], list[float]]:
-    """Each round's ratio of every adaptive configuration to that round's best baseline.
+    """Each round's ratio of every adaptive configuration to that round's best of ``baselines`` (default all).
 
     ``results`` holds every configuration once per round, in round order.
     """
+    among = list(BASELINES) if baselines is None else baselines
     out: dict[tuple[str, int], list[float]] = {}
     for c in conc:
         seen: dict[str, list[float]] = {}
@@ -210,7 +218,7 @@ def _round_ratios(
         for a in adaptive:
             ratios = []
             for i in range(rounds):
-                best = max(seen[b][i] for b in BASELINES)
+                best = max(seen[b][i] for b in among)
                 ratios.append(seen[a][i] / best)
             out[a, c] = ratios
     return out
@@ -411,27 +419,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cfg:<24}" + "".join(f"{x:>20}" for x in cells))
     print(f"\nadaptive against the best of no-spec and fixed K (ratio of tokens/s, {clock}; best rounds)")
     summary = []
+    fixed = [b for b in BASELINES if BASELINES[b] > 0]
     per_round = _round_ratios(results, rate, adaptive, conc, args.rounds)
+    per_round_k = _round_ratios(results, rate, adaptive, conc, args.rounds, fixed)
     for c in conc:
         best = max(BASELINES, key=lambda b: table[b, c][rate])
-        row = {"concurrency": c, "clock": args.clock, "best_baseline": best, "best_tokens_per_s": table[best, c][rate]}
+        best_k = max(fixed, key=lambda b: table[b, c][rate])
+        row = {
+            "concurrency": c,
+            "clock": args.clock,
+            "best_baseline": best,
+            "best_tokens_per_s": table[best, c][rate],
+            "best_fixed_k": best_k,
+        }
         for a in adaptive:
             row[a] = table[a, c][rate] / table[best, c][rate]
             row[f"{a} per round"] = per_round[a, c]
+            row[f"{a} vs fixed K"] = table[a, c][rate] / table[best_k, c][rate]
+            row[f"{a} vs fixed K per round"] = per_round_k[a, c]
         summary.append(row)
         print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in adaptive))
+    print(f"\nadaptive against the best fixed K >= 1 alone (ratio of tokens/s, {clock}; best rounds)")
+    for row in summary:
+        print(
+            f"c={row['concurrency']:<3} best {row['best_fixed_k']:<8}"
+            + "".join(f"  {a}: {row[a + ' vs fixed K']:.3f}" for a in adaptive)
+        )
     if args.rounds > 1:
         # Rounds run one after the other, every configuration once per round: a ratio within a round
         # compares engines that ran minutes apart, not hours, so the median of those is the steadier figure.
-        print(
-            "\nthe same, round by round (each round's adaptive engine against that round's best baseline): median [all]"
-        )
-        for c in conc:
-            cells = []
-            for a in adaptive:
-                rs = per_round[a, c]
-                cells.append(f"  {a}: {statistics.median(rs):.3f} [{', '.join(f'{x:.3f}' for x in rs)}]")
-            print(f"c={c:<3}" + "".join(cells))
+        for title, ratios in (("the best baseline", per_round), ("the best fixed K >= 1", per_round_k)):
+            print(f"\nround by round, each round's adaptive engine against that round's {title}: median [all]")
+            for c in conc:
+                cells = []
+                for a in adaptive:
+                    rs = ratios[a, c]
+                    cells.append(f"  {a}: {statistics.median(rs):.3f} [{', '.join(f'{x:.3f}' for x in rs)}]")
+                print(f"c={c:<3}" + "".join(cells))
     for cfg in adaptive:
         for c in conc:
             s = table[cfg, c]["stats"]
