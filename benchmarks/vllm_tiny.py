@@ -278,11 +278,18 @@ def closed_loop(
 
     Every step is timed on both clocks; the ``mean_step_*`` figures count only
     the steps that ran the model (a step that only waits for grammar
-    compilation returns no output), ``mean_step_ms_all`` every step.
+    compilation returns no output), ``mean_step_ms_all`` every step. The
+    ``steady_*`` figures count only the steps that began while requests were
+    still waiting for a slot (the batch ran full) and the tokens those steps
+    emitted: the rate under sustained load, without the tail in which the last
+    requests run with slots standing empty (a configuration that finishes
+    some requests sooner only gains where a waiting request takes the slot).
     """
     pending = list(enumerate(reqs))
     in_flight = tokens = steps = model_steps = 0
     step_s = model_step_s = model_step_cpu = 0.0
+    steady_tokens, steady_s, steady_cpu = 0, 0.0, 0.0
+    lengths: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
     finish: dict[str, int] = {}
 
@@ -297,6 +304,7 @@ def closed_loop(
     t0, cpu0 = time.perf_counter(), time.process_time()
     submit()
     while in_flight or pending:
+        full = bool(pending)
         s0, c0 = time.perf_counter(), time.process_time()
         outs = engine.step()
         dt, dc = time.perf_counter() - s0, time.process_time() - c0
@@ -308,7 +316,15 @@ def closed_loop(
             model_step_cpu += dc
         if on_step is not None:
             on_step()
+        if full:
+            steady_s += dt
+            steady_cpu += dc
+            for o in outs:
+                # Outputs are cumulative: what this step added is the growth of each request's tokens.
+                n = len(o.outputs[0].token_ids)
+                steady_tokens += n - lengths.get(o.request_id, 0)
         for o in outs:
+            lengths[o.request_id] = len(o.outputs[0].token_ids)
             if o.finished:
                 in_flight -= 1
                 ids = list(o.outputs[0].token_ids)
@@ -331,6 +347,11 @@ def closed_loop(
         "mean_step_ms": 1e3 * model_step_s / max(1, model_steps),
         "mean_step_cpu_ms": 1e3 * model_step_cpu / max(1, model_steps),
         "mean_step_ms_all": 1e3 * step_s / max(1, steps),
+        "steady_tokens": steady_tokens,
+        "steady_seconds": steady_s,
+        "steady_cpu_seconds": steady_cpu,
+        "steady_tokens_per_s": steady_tokens / steady_s if steady_s else 0.0,
+        "steady_tokens_per_cpu_s": steady_tokens / steady_cpu if steady_cpu else 0.0,
         "digest": digest,
         "finish_reasons": finish,
         "load_before": load_before,
