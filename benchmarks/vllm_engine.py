@@ -435,8 +435,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nadaptive against the best of no-spec and fixed K (ratio of tokens/s, {clock}; best rounds)")
     summary = []
     fixed = [b for b in BASELINES if BASELINES[b] > 0]
-    per_round = _round_ratios(results, rate, adaptive, conc, args.rounds)
-    per_round_k = _round_ratios(results, rate, adaptive, conc, args.rounds, fixed)
+    # Sustained load: only the steps that ran with requests waiting for a slot (vllm_tiny.closed_loop).
+    steady = "steady_tokens_per_cpu_s" if args.clock == "cpu" else "steady_tokens_per_s"
+    # Per-round ratios, (whole run | while full) x (every baseline | fixed K >= 1 only).
+    ratios = {
+        (rate_key, k_only): _round_ratios(results, rate_key, adaptive, conc, args.rounds, fixed if k_only else None)
+        for rate_key in (rate, steady)
+        for k_only in (False, True)
+    }
     for c in conc:
         best = max(BASELINES, key=lambda b: table[b, c][rate])
         best_k = max(fixed, key=lambda b: table[b, c][rate])
@@ -449,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         for a in adaptive:
             row[a] = table[a, c][rate] / table[best, c][rate]
-            row[f"{a} per round"] = per_round[a, c]
             row[f"{a} vs fixed K"] = table[a, c][rate] / table[best_k, c][rate]
-            row[f"{a} vs fixed K per round"] = per_round_k[a, c]
+            for (rate_key, k_only), by_cell in ratios.items():
+                label = f"{a}{' steady' if rate_key == steady else ''}{' vs fixed K' if k_only else ''} per round"
+                row[label] = by_cell[a, c]
         summary.append(row)
         print(f"c={c:<3} best {best:<8}" + "".join(f"  {a}: {row[a]:.3f}" for a in adaptive))
     print(f"\nadaptive against the best fixed K >= 1 alone (ratio of tokens/s, {clock}; best rounds)")
@@ -463,11 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds > 1:
         # Rounds run one after the other, every configuration once per round: a ratio within a round
         # compares engines that ran minutes apart, not hours, so the median of those is the steadier figure.
-        for title, ratios in (("best baseline", per_round), ("best fixed K >= 1", per_round_k)):
+        for k_only in (False, True):
+            title = "best fixed K >= 1" if k_only else "best baseline"
             print(f"\nround by round, each round's adaptive engine against that round's {title}: median [all]")
-            _print_medians(ratios, adaptive, conc)
-    # Sustained load: only the steps that ran with requests waiting for a slot (vllm_tiny.closed_loop).
-    steady = "steady_tokens_per_cpu_s" if args.clock == "cpu" else "steady_tokens_per_s"
+            _print_medians(ratios[rate, k_only], adaptive, conc)
     print(f"\nwhile the batch ran full (requests waiting for a slot): output tokens/s in {clock}, median of rounds")
     print(f"{'config':<24}" + "".join(f"{'c=' + str(c):>12}" for c in conc))
     for cfg in configs:
@@ -475,15 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             statistics.median(r[steady] for r in results if r["config"] == cfg and r["concurrency"] == c) for c in conc
         ]
         print(f"{cfg:<24}" + "".join(f"{x:12.1f}" for x in cells))
-    steady_all = _round_ratios(results, steady, adaptive, conc, args.rounds)
-    steady_k = _round_ratios(results, steady, adaptive, conc, args.rounds, fixed)
-    for title, ratios in (("best baseline", steady_all), ("best fixed K >= 1", steady_k)):
+    for k_only in (False, True):
+        title = "best fixed K >= 1" if k_only else "best baseline"
         print(f"while full, each round's adaptive engine against that round's {title}: median [all]")
-        _print_medians(ratios, adaptive, conc)
-    for row in summary:
-        for a in adaptive:
-            row[f"{a} steady per round"] = steady_all[a, row["concurrency"]]
-            row[f"{a} steady vs fixed K per round"] = steady_k[a, row["concurrency"]]
+        _print_medians(ratios[steady, k_only], adaptive, conc)
     for cfg in adaptive:
         for c in conc:
             s = table[cfg, c]["stats"]

@@ -319,12 +319,12 @@ def closed_loop(
         if full:
             steady_s += dt
             steady_cpu += dc
-            for o in outs:
-                # Outputs are cumulative: what this step added is the growth of each request's tokens.
-                n = len(o.outputs[0].token_ids)
-                steady_tokens += n - lengths.get(o.request_id, 0)
         for o in outs:
-            lengths[o.request_id] = len(o.outputs[0].token_ids)
+            # Outputs are cumulative: what this step added is the growth of each request's tokens.
+            n = len(o.outputs[0].token_ids)
+            if full:
+                steady_tokens += n - lengths.get(o.request_id, 0)
+            lengths[o.request_id] = n
             if o.finished:
                 in_flight -= 1
                 ids = list(o.outputs[0].token_ids)
