@@ -8,20 +8,26 @@ The tiny model's tokenizer (vocabulary 640, as in ``vllm_overhead.py``),
 the structured workload's grammars (JSON schemas and regexes, vLLM's own
 unbounded whitespace) compiled by maskplug's xgrammar provider, ``n``
 requests each a few tokens into its grammar, and ``k`` drafts per request,
-about four in five of them allowed by the grammar. Two producers fill the
-same step on the same matchers:
+all allowed by the grammar by default (vLLM's scheduler trims drafts with
+the grammar's ``validate_tokens`` before the producer sees them; ``--refused
+0.2`` makes about one in five a random token instead, where vLLM's own
+producer logs an error per refused draft). Three producers fill the same
+step on the same matchers:
 
 * ``maskplug``: the adapter's replacement of ``StructuredOutputManager.grammar_bitmask``
   (binding, the small-batch producer, the step's :class:`~maskplug.DraftMasks`,
   the checks that a row allows something);
-* ``loop``: what vLLM 0.32's own serial loop does per request (fill a row,
-  accept the draft, ..., roll back), written directly on xgrammar's
-  ``GrammarMatcher``: a lower bound of vLLM's own path, which adds its
-  per-request bookkeeping around the same calls.
+* ``vllm``: vLLM 0.32's own ``StructuredOutputManager.grammar_bitmask``
+  (unpatched) on vLLM's own ``XgrammarGrammar`` objects over the same
+  xgrammar matchers: the path the engine runs without maskplug;
+* ``loop``: the calls that path makes per request (fill a row, accept the
+  draft, ..., roll back), written directly on xgrammar's ``GrammarMatcher``:
+  a lower bound of any producer on these matchers.
 
-Each round times both, one after the other in alternating order, in CPU time
+Each round times all three, one after the other in alternating order, in CPU time
 of this thread per step (the fastest of five batches of ``--calls`` steps);
-the summary is the median over rounds of the per-round ratio. With ``--cold``
+the summary is the median over rounds of the per-round ratios of ``maskplug``
+to ``vllm`` and to ``loop``. With ``--cold``
 each call is timed alone right after engine-like work (a small MLP forward,
 numpy over 4 MB, some Python), the median of ``--calls / 4`` calls: in an
 engine the producer runs between forward passes with its caches cold, where
@@ -70,7 +76,9 @@ def _allowed(matcher: Any, bm: torch.Tensor, eos: set[int]) -> list[int]:
     return [t for t in range(32 * len(words)) if (words[t // 32] >> (t % 32)) & 1 and t not in eos]
 
 
-def _step(compiled: list[Any], specs: list[GrammarSpec], vocab: Any, n: int, k: int, seed: int) -> Any:
+def _step(
+    compiled: list[Any], specs: list[GrammarSpec], vocab: Any, n: int, k: int, seed: int, refused: float = 0.0
+) -> Any:
     rng = random.Random(seed)
     eos = set(vocab.eos_ids)
     bm = vocab.new_bitmask(1)
@@ -89,7 +97,9 @@ def _step(compiled: list[Any], specs: list[GrammarSpec], vocab: Any, n: int, k: 
         took = 0
         while len(drafts) < k:
             ok = _allowed(g.matcher, bm, eos)
-            t = rng.choice(ok) if ok and rng.random() < 0.8 else rng.randrange(1, vocab.vocab_size)
+            if not ok and rng.random() >= refused:
+                break  # only a stop token is left: vLLM's validation ends the drafts here
+            t = rng.choice(ok) if ok and rng.random() >= refused else rng.randrange(1, vocab.vocab_size)
             drafts.append(t)
             if took == len(drafts) - 1 and g.matcher.accept(t):
                 took += 1
@@ -126,6 +136,32 @@ def _loop(bitmask: torch.Tensor, grammars: list[Any], ids: list[str], spec: dict
         if took:
             raw.rollback(took)
     return idx
+
+
+def _vllm_manager(vocab: Any, k: int, grammars: list[Any]) -> tuple[Any, dict[str, Any]]:
+    """vLLM's own manager and ``grammar_bitmask``, with ``XgrammarGrammar`` objects over ``grammars``' xgrammar matchers."""
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    mgr = StructuredOutputManager.__new__(StructuredOutputManager)
+    ns = types.SimpleNamespace
+    mgr.vllm_config = ns(
+        num_speculative_tokens=k, scheduler_config=ns(max_num_seqs=64), model_config=ns(is_diffusion=False)
+    )
+    mgr.backend = ns(allocate_token_bitmask=vocab.new_bitmask)
+    mgr.reasoner_cls = None
+    mgr.enable_in_reasoning = False
+    mgr._grammar_bitmask = None
+    mgr._full_mask = torch.tensor(-1, dtype=torch.int32)
+    mgr.fill_bitmask_parallel_threshold = 128
+    requests = {}
+    for i, g in enumerate(grammars):
+        raw = g.matcher.raw
+        xg = XgrammarGrammar(vocab.vocab_size, raw, None)
+        xg._is_terminated = raw.is_terminated()
+        so = ns(grammar=xg, reasoning_ended=None, reasoner=None)
+        requests[f"r{i}"] = ns(request_id=f"r{i}", structured_output_request=so)
+    return mgr, requests
 
 
 def _manager(vocab: Any, k: int) -> tuple[Any, Any]:
@@ -183,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", default="1,4,16")
     p.add_argument("--drafts", default="0,3")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument(
+        "--refused", type=float, default=0.0, help="share of drafts drawn at random, mostly refused (default: 0)"
+    )
     p.add_argument("--calls", type=int, default=2000, help="steps per timed batch (default: %(default)s)")
     p.add_argument(
         "--cold",
@@ -200,49 +239,68 @@ def main(argv: list[str] | None = None) -> int:
     specs = [_spec(r) for r in reqs]
     compiled = [prov.compile(s) for s in specs]
     print(f"vocabulary 640, xgrammar, {len(compiled)} grammars; load average {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"{'n':>4} {'k':>3} {'maskplug µs':>12} {'loop µs':>9} {'ratio (median, min-max)':>26}")
+    print(
+        f"{'n':>4} {'k':>3} {'maskplug µs':>12} {'vllm µs':>9} {'loop µs':>9} "
+        f"{'vs vllm (median, min-max)':>27} {'vs loop':>8}"
+    )
     for n in [int(x) for x in a.requests.split(",")]:
         for k in [int(x) for x in a.drafts.split(",")]:
-            grammars, ids, spec = _step(compiled, specs, vocab, n, k, seed=n * 100 + k)
+            grammars, ids, spec = _step(compiled, specs, vocab, n, k, seed=n * 100 + k, refused=a.refused)
             mgr, fill = _manager(vocab, k)
             requests = {
                 r: types.SimpleNamespace(request_id=r, structured_output_request=types.SimpleNamespace(grammar=g))
                 for r, g in zip(ids, grammars, strict=True)
             }
+            vmgr, vrequests = _vllm_manager(vocab, k, grammars)
+            vllm_fill = type(vmgr).grammar_bitmask
 
             def ours(
                 mgr: Any = mgr, fill: Any = fill, requests: Any = requests, ids: Any = ids, spec: Any = spec
             ) -> Any:
                 return fill(mgr, requests, ids, spec)
 
-            ours()
+            def vllm(
+                vmgr: Any = vmgr, vrequests: Any = vrequests, ids: Any = ids, spec: Any = spec, run: Any = vllm_fill
+            ) -> Any:
+                return run(vmgr, vrequests, ids, spec)
+
             theirs_bm = vocab.new_bitmask(n * (k + 1))
 
-            def theirs(bm: Any = theirs_bm, grammars: Any = grammars, ids: Any = ids, spec: Any = spec) -> int:
+            def loop(bm: Any = theirs_bm, grammars: Any = grammars, ids: Any = ids, spec: Any = spec) -> int:
                 return _loop(bm, grammars, ids, spec)
 
             # Same rows up to each request's first refused draft (the rest is never applied).
-            got = ours()
-            theirs()
+            got = ours().copy()
+            got_vllm = vllm().copy()
+            loop()
             row = 0
             for g, r in enumerate(ids):
                 d = spec.get(r, [])
                 upto = len(d) + 1
                 acc = int(mgr._maskplug_draft_masks[1].acceptable[g])
                 upto = min(upto, acc + 1)
-                if not (torch.from_numpy(got[row : row + upto]) == theirs_bm[row : row + upto]).all():
-                    raise SystemExit(f"n={n} k={k}: request {g}'s rows differ from the loop's")
+                for name, other in (("loop", theirs_bm.numpy()), ("vllm", got_vllm)):
+                    if not (got[row : row + upto] == other[row : row + upto]).all():
+                        raise SystemExit(f"n={n} k={k}: request {g}'s rows differ from the {name}'s")
                 row += len(d) + 1
-            ratios, mine, base = [], [], []
+            times: dict[str, list[float]] = {"ours": [], "vllm": [], "loop": []}
+            fns = {"ours": ours, "vllm": vllm, "loop": loop}
+            to_vllm, to_loop = [], []
             for rnd in range(a.rounds):
-                pair = (ours, theirs) if rnd % 2 == 0 else (theirs, ours)
-                t = {fn: _time_cold(fn, a.calls // 4, pollute) if a.cold else _time(fn, a.calls) for fn in pair}
-                mine.append(t[ours])
-                base.append(t[theirs])
-                ratios.append(t[ours] / t[theirs])
+                order = list(fns)[rnd % 3 :] + list(fns)[: rnd % 3]
+                t = {
+                    name: _time_cold(fns[name], a.calls // 4, pollute) if a.cold else _time(fns[name], a.calls)
+                    for name in order
+                }
+                for name in fns:
+                    times[name].append(t[name])
+                to_vllm.append(t["ours"] / t["vllm"])
+                to_loop.append(t["ours"] / t["loop"])
+            med = {name: statistics.median(v) for name, v in times.items()}
             print(
-                f"{n:>4} {k:>3} {statistics.median(mine):>12.1f} {statistics.median(base):>9.1f} "
-                f"{statistics.median(ratios):>10.2f}x ({min(ratios):.2f}-{max(ratios):.2f})",
+                f"{n:>4} {k:>3} {med['ours']:>12.1f} {med['vllm']:>9.1f} {med['loop']:>9.1f} "
+                f"{statistics.median(to_vllm):>11.2f}x ({min(to_vllm):.2f}-{max(to_vllm):.2f}) "
+                f"{statistics.median(to_loop):>7.2f}x",
                 flush=True,
             )
     print(f"load average at the end {os.getloadavg()[0]:.1f}")

@@ -18,7 +18,7 @@ import torch
 from .errors import BudgetError, GrammarError
 from .layout import ScheduledLayout
 
-__all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field", "host_requests"]
+__all__ = ["DraftMasks", "check_draft_masks", "frozen", "host_field", "host_requests", "served"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,20 @@ class DraftMasks:
 
 
 _NO_FAILURES: Mapping[int, GrammarError] = MappingProxyType({})
+
+
+def served(
+    request: npt.NDArray[np.int64], acceptable: npt.NDArray[np.int64], forced: npt.NDArray[np.bool_]
+) -> DraftMasks:
+    """``DraftMasks(request, acceptable, forced)`` with no failure, built without the generated ``__init__``.
+
+    For the producers' hot path, which hands over arrays it made: the fields
+    are set in one step (a frozen dataclass's ``__init__`` sets them one by
+    one through ``object.__setattr__``).
+    """
+    out = object.__new__(DraftMasks)
+    out.__dict__.update(request=request, acceptable=acceptable, forced=forced, failed=_NO_FAILURES)
+    return out
 
 
 def frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:

@@ -242,6 +242,7 @@ def fill_windows_serially(
     row0: Sequence[int],
     bitmask: torch.Tensor,
     total: int,
+    host: np.ndarray[Any, Any] | None = None,
 ) -> DraftMasks:
     """:func:`maskplug.fill_draft_masks` with ``strategy="serial"``, on inputs the caller has checked.
 
@@ -259,7 +260,11 @@ def fill_windows_serially(
     each with a ``vocab`` of the same mask width; every draft id lies in
     ``[0, vocab_size)``; the rows of different requests do not overlap and
     lie below ``total``; ``bitmask`` passes
-    :func:`maskplug.grammar.sdk.check_bitmask` for row ``total - 1``.
+    :func:`maskplug.grammar.sdk.check_bitmask` for row ``total - 1``;
+    ``host``, when given, is ``bitmask.numpy()``, kept by the caller for a
+    buffer it fills step after step (the walk reads the rows it wrote through
+    it; between an engine's forward passes making the view costs more than
+    the walk's own bookkeeping at one request).
 
     Raises:
         MatcherInUse: another thread's call holds one of the matchers.
@@ -267,7 +272,7 @@ def fill_windows_serially(
     keys = [id(m) for m in matchers]
     held = claim(matchers, keys, "matchers")
     try:
-        return walk_windows(matchers, windows, row0, bitmask, total)
+        return walk_windows(matchers, windows, row0, bitmask, total, host)
     finally:
         release(held)
 

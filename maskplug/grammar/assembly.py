@@ -41,7 +41,7 @@ def _sizes(vocabs: Sequence[Any], g_count: int, words: int) -> int | IntArray:
 
 
 def row_counts(
-    bitmask: torch.Tensor, total: int, rows: IntArray | None, sizes: int | IntArray
+    bitmask: torch.Tensor | npt.NDArray[Any], total: int, rows: IntArray | None, sizes: int | IntArray
 ) -> tuple[IntArray, IntArray]:
     """Allowed tokens in each listed bitmask row: over the whole row, and over the bits below ``sizes``.
 
@@ -49,9 +49,9 @@ def row_counts(
     it, in order); ``sizes`` is one vocabulary size for all of them or one
     per row (at most the row's bits). One population count over the rows
     (no copy when they are all the rows), one more over the words a
-    vocabulary ends inside.
+    vocabulary ends inside. ``bitmask`` may be the tensor's numpy view.
     """
-    words32 = bitmask.numpy()[:total]
+    words32 = (bitmask if isinstance(bitmask, np.ndarray) else bitmask.numpy())[:total]
     n_words = words32.shape[1]
     whole = rows is None or (rows.shape[0] == total and (total < 2 or bool((rows[1:] > rows[:-1]).all())))
     sub = words32 if whole else words32[rows]  # type: ignore[index]

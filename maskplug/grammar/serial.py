@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ..draftmasks import DraftMasks
+from ..draftmasks import DraftMasks, served
 from .assembly import assemble, row_counts
 from .fillargs import eos_sets
 from .protocols import Matcher
@@ -49,6 +49,41 @@ def _arange(n: int) -> IntArray:
     return a
 
 
+_SMALL: dict[tuple[int, ...], IntArray] = {}
+_NONE_FORCED: dict[tuple[int, int], npt.NDArray[np.bool_]] = {}
+#: Up to this many requests a step's ``acceptable`` counts are shared read-only arrays: a running batch
+#: repeats a few patterns, and between forward passes a fresh numpy array costs more than the lookup.
+_SHARE_UP_TO = 8
+
+
+def _small_ints(values: list[int]) -> IntArray:
+    """``np.array(values, dtype=np.int64)``, read-only, shared for a few values (a result's ``acceptable``)."""
+    if len(values) > _SHARE_UP_TO:
+        return np.array(values, dtype=np.int64)
+    key = tuple(values)
+    a = _SMALL.get(key)
+    if a is None:
+        a = np.array(values, dtype=np.int64)
+        a.flags.writeable = False
+        if len(_SMALL) >= 4096:
+            _SMALL.clear()
+        _SMALL[key] = a
+    return a
+
+
+def _no_forced(g_count: int, width: int) -> npt.NDArray[np.bool_]:
+    """An all-False ``(g_count, width)`` ``forced`` matrix, read-only and shared (no row allows just one token)."""
+    key = (g_count, width)
+    a = _NONE_FORCED.get(key)
+    if a is None:
+        a = np.zeros(key, dtype=bool)
+        a.flags.writeable = False
+        if len(_NONE_FORCED) >= 1024:
+            _NONE_FORCED.clear()
+        _NONE_FORCED[key] = a
+    return a
+
+
 def _general(
     matchers: Sequence[Matcher],
     windows: Sequence[Sequence[int]],
@@ -56,7 +91,6 @@ def _general(
     bitmask: torch.Tensor,
     total: int,
     vocabs: Sequence[Any],
-    eos: Sequence[frozenset[int]],
 ) -> Walk:
     """The general producer's bookkeeping for these windows (no matcher is called)."""
     g_count = len(matchers)
@@ -72,7 +106,7 @@ def _general(
         counts + 1,
         np.zeros(g_count, dtype=np.int64),
         np.array(row0, dtype=np.int64),
-        eos,
+        eos_sets(vocabs),
         bitmask,
         total,
         vocabs,
@@ -87,6 +121,7 @@ def walk_windows(
     row0: Sequence[int],
     bitmask: torch.Tensor,
     total: int,
+    host: npt.NDArray[Any] | None = None,
 ) -> DraftMasks:
     """Walk each request's window serially and complete the step's rows; the matchers end where they started.
 
@@ -95,11 +130,13 @@ def walk_windows(
     matchers and calls this): request ``g``'s rows are ``row0[g]`` to
     ``row0[g] + len(windows[g])``, the rows below ``total`` that no request
     fills come out all-allowed, a request whose matcher raises or whose row
-    allows nothing fails alone with the stop-only rows.
+    allows nothing fails alone with the stop-only rows. ``host`` is
+    ``bitmask.numpy()`` when the caller keeps it.
     """
     g_count = len(matchers)
     vocabs = [cast(Any, m).vocab for m in matchers]
-    eos = eos_sets(vocabs)
+    # Membership in a vocabulary's own stop tuple (one or two ids): the same answer as a set, without making one.
+    eos: Sequence[Any] = [v.eos_ids for v in vocabs]
     # Per request: the last row position its walk filled (-1: none) and the drafts the grammar accepts.
     last = [-1] * g_count
     acceptable = [len(w) for w in windows]
@@ -130,7 +167,7 @@ def walk_windows(
                         break
             except Exception as exc:
                 if walk is None:
-                    walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+                    walk = _general(matchers, windows, row0, bitmask, total, vocabs)
                 walk.accepted[g] = took
                 took = 0
                 doing = f"fill of row {p}" if filling else f"accept of drafts[{g}][{p}] = {d[p]}"
@@ -143,7 +180,7 @@ def walk_windows(
                     rollback_walked(m, k)
                 except Exception as exc:
                     if walk is None:
-                        walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+                        walk = _general(matchers, windows, row0, bitmask, total, vocabs)
                     walk.alive[g] = False
                     walk.errors[g] = rollback_error(g, k, exc)
     except BaseException as exc:
@@ -155,10 +192,10 @@ def walk_windows(
         raise
     if walk is None:
         width = max(len(w) for w in windows) + 1 if g_count else 0
-        done = _complete(bitmask, total, row0, last, acceptable, vocabs, width)
+        done = _complete(bitmask.numpy() if host is None else host, total, row0, last, acceptable, vocabs, width)
         if done is not None:
             return done
-        walk = _general(matchers, windows, row0, bitmask, total, vocabs, eos)
+        walk = _general(matchers, windows, row0, bitmask, total, vocabs)
     for i, hi in enumerate(last):
         if hi >= 0 and i not in walk.errors:
             walk.filled[i, : hi + 1] = True
@@ -167,7 +204,7 @@ def walk_windows(
 
 
 def _complete(
-    bitmask: torch.Tensor,
+    bm: npt.NDArray[Any],
     total: int,
     row0: Sequence[int],
     last: list[int],
@@ -177,7 +214,8 @@ def _complete(
 ) -> DraftMasks | None:
     """The result of a walk in which every request was served, its unfilled rows opened.
 
-    ``width`` is the widest window's row count (the ``forced`` matrix's columns).
+    ``bm`` is the bitmask's numpy view; ``width`` is the widest window's row
+    count (the ``forced`` matrix's columns).
 
     ``None`` (nothing written) when the general assembly must decide: a
     filled row allows no token of its vocabulary (that request fails), or
@@ -185,7 +223,6 @@ def _complete(
     """
     g_count = len(last)
     v0 = vocabs[0] if g_count else None
-    bm = bitmask.numpy()
     words = int(bm.shape[1])
     size = words * 32
     if v0 is not None:
@@ -209,7 +246,7 @@ def _complete(
         else:
             below = whole
     else:
-        count, below_arr = row_counts(bitmask, total, None, size)
+        count, below_arr = row_counts(bm, total, None, size)
         below = below_arr.tolist()
         whole = count.tolist() if below_arr is not count else below
     spans = []
@@ -230,14 +267,12 @@ def _complete(
     if pos < total:
         sub[pos:total] = -1
     # The single-token rows (rare: a forced token) are set one by one.
-    forced = np.zeros((g_count, width), dtype=bool)
+    forced: npt.NDArray[np.bool_] | None = None
     for a, b, g in spans:
         if 1 in whole[a:b]:
             for p in range(b - a):
                 if whole[a + p] == 1:
+                    if forced is None:
+                        forced = np.zeros((g_count, width), dtype=bool)
                     forced[g, p] = True
-    return DraftMasks(
-        request=_arange(g_count),
-        acceptable=np.array(acceptable, dtype=np.int64),
-        forced=forced,
-    )
+    return served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width) if forced is None else forced)

@@ -28,6 +28,7 @@ import torch
 
 from maskplug import DraftMasks, apply_grammar_bitmask
 from maskplug.engines.sdk import wraps
+from maskplug.grammar.sdk import check_bitmask
 
 from .backend import MaskplugBackend, bind_grammars, fail_requests, provider_for
 from .host import StepRows
@@ -38,6 +39,7 @@ __all__ = [
     "RowsNeeded",
     "apply_rows",
     "bitmask_to",
+    "checked_buffer",
     "make_apply_compacted",
     "make_grammar_bitmask",
     "make_grammar_init",
@@ -53,6 +55,52 @@ CompactedRows = Callable[[Any, Any, list[str], np.ndarray], StepRows]
 """``(worker, input_batch, grammar_req_ids, grammar_bitmask) -> the step's rows`` (checked against the bitmask)."""
 
 ApplyCompacted = Callable[[Any, torch.Tensor, Any, list[str], np.ndarray], None]
+
+#: The manager's mask-row buffer once checked: the tensor, its version counter when checked, its rows,
+#: its words per row and its numpy view.
+_buffer: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
+
+
+def _known(bitmask: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int, np.ndarray] | None:
+    """The checked record of ``bitmask`` when it is that buffer, unchanged in place since."""
+    b = _buffer
+    if b is not None and b[0] is bitmask and bitmask._version == b[1]:
+        return b
+    return None
+
+
+def checked_buffer(bitmask: torch.Tensor, vocab: Any) -> tuple[int, np.ndarray] | None:
+    """The rows and numpy view of the manager's buffer when it suits ``vocab``'s rows, else ``None``.
+
+    The buffer must pass :func:`~maskplug.grammar.sdk.check_bitmask` for
+    ``vocab`` (a contiguous CPU int32 tensor exactly ``vocab.mask_words``
+    wide). vLLM's manager keeps one buffer for the engine's life, so the
+    check and the view are made once per buffer and then found by identity
+    and torch's version counter, which every in-place operation moves
+    (``resize_``, ``set_``, ``as_strided_``, ``fill_``, ...; not the
+    producer's own writes through the view or xgrammar's): between forward
+    passes each tensor attribute read or numpy view costs several
+    microseconds. Nothing in vLLM swaps the buffer's memory by assigning
+    ``.data``, the one change the counter does not see.
+    """
+    global _buffer
+    b = _known(bitmask)
+    if b is not None and b[3] == vocab.mask_words:
+        return b[2], b[4]
+    try:
+        check_bitmask(bitmask, 0, vocab)
+    except Exception:
+        _buffer = None
+        return None
+    view = bitmask.numpy()
+    _buffer = (bitmask, bitmask._version, int(bitmask.shape[0]), int(vocab.mask_words), view)
+    return _buffer[2], view
+
+
+def _numpy_rows(bitmask: torch.Tensor, total: int) -> np.ndarray:
+    """The first ``total`` rows of the manager's buffer as numpy (through the checked buffer's view when it is that)."""
+    b = _known(bitmask)
+    return (bitmask.numpy() if b is None else b[4])[:total]
 
 
 def bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -172,8 +220,12 @@ def make_grammar_bitmask(
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         stride = int(self.vllm_config.num_speculative_tokens) + 1
         need = rows(ids, scheduled_spec_decode_tokens, stride)
-        max_rows = self.vllm_config.scheduler_config.max_num_seqs * stride
-        if self._grammar_bitmask is None or self._grammar_bitmask.shape[0] < need:
+        buf = self._grammar_bitmask
+        b = _known(buf)
+        # The checked buffer's row count is known: no shape read on the usual step.
+        have = b[2] if b is not None else (-1 if buf is None else int(buf.shape[0]))
+        if have < need:
+            max_rows = self.vllm_config.scheduler_config.max_num_seqs * stride
             self._grammar_bitmask = backend.allocate_token_bitmask(max(max_rows, need))
         total, dm = fill(self._grammar_bitmask, grammars, ids, scheduled_spec_decode_tokens, stride)
         if dm.failed:
@@ -182,6 +234,6 @@ def make_grammar_bitmask(
         if record is not None:
             setattr(self, record, (ids, dm))
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
-        return self._grammar_bitmask.numpy()[:total]
+        return _numpy_rows(self._grammar_bitmask, total)
 
     return grammar_bitmask

@@ -26,7 +26,7 @@ import torch
 
 from maskplug import DraftMasks, GrammarRows, ScheduledLayout, fill_draft_masks
 from maskplug.engines.sdk import fill_windows_serially
-from maskplug.grammar.sdk import Matcher, check_bitmask
+from maskplug.grammar.sdk import Matcher
 
 from . import common
 from .backend import producer_matcher
@@ -139,35 +139,10 @@ def _fill_few(
     for g in range(g_count):
         row0[g] = total
         total += full[g] + 1
-    if not _checked_before(bitmask, total, v0):
+    buf = common.checked_buffer(bitmask, v0)
+    if buf is None or total > buf[0]:
         return None
-    return total, fill_windows_serially(matchers, windows, row0, bitmask, total)
-
-
-#: The last bitmask :func:`check_bitmask` passed, with what it was checked against: the manager
-#: fills the same buffer step after step, so the check runs again only when something about it changed.
-_last_checked: tuple[torch.Tensor, Any, torch.Size, tuple[int, ...], int] | None = None
-
-
-def _checked_before(bitmask: torch.Tensor, total: int, vocab: Any) -> bool:
-    """Whether ``bitmask`` passes :func:`check_bitmask` for row ``total - 1`` of ``vocab`` (remembered per buffer)."""
-    global _last_checked
-    last = _last_checked
-    if (
-        last is not None
-        and last[0] is bitmask
-        and last[1] is vocab
-        and bitmask.shape == last[2]
-        and bitmask.stride() == last[3]
-        and bitmask.data_ptr() == last[4]
-    ):
-        return total <= last[2][0]
-    try:
-        check_bitmask(bitmask, total - 1, vocab)
-    except Exception:
-        return False
-    _last_checked = (bitmask, vocab, bitmask.shape, bitmask.stride(), bitmask.data_ptr())
-    return True
+    return total, fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1])
 
 
 def fill_step_rows(
