@@ -221,58 +221,66 @@ def _complete(
     filled row allows no token of its vocabulary (that request fails), or
     the requests' vocabularies differ in size.
     """
+    # One pass in plain Python: between an engine's forward passes this runs cold, where every numpy
+    # call and every comprehension's frame costs microseconds.
     g_count = len(last)
-    v0 = vocabs[0] if g_count else None
-    words = int(bm.shape[1])
+    words = bm.shape[1]
     size = words * 32
-    if v0 is not None:
-        vs = int(v0.vocab_size)
-        if any(v is not v0 and int(v.vocab_size) != vs for v in vocabs):
-            return None
-        size = min(vs, size)
-    sub = bm[:total]
+    if g_count:
+        v0 = vocabs[0]
+        vs = v0.vocab_size
+        for v in vocabs:
+            if v is not v0 and v.vocab_size != vs:
+                return None
+        if vs < size:
+            size = vs
     wb = 4 * words
+    nbytes = total * wb
     whole: list[int]
-    if total * wb <= _PY_COUNT_BYTES:
+    below: list[int]
+    if nbytes <= _PY_COUNT_BYTES:
         # A few narrow rows: each row as one Python int (little-endian words: bit t is token t).
-        # Between an engine's forward passes this runs cold, where numpy's calls cost most.
         frm = int.from_bytes
-        buf = sub.tobytes()
-        ints = [frm(buf[i : i + wb], "little") for i in range(0, total * wb, wb)]
-        whole = [x.bit_count() for x in ints]
-        if size < words * 32:
-            keep = (1 << size) - 1
-            below = [(x & keep).bit_count() for x in ints]
-        else:
-            below = whole
+        buf = bm[:total].tobytes()
+        keep = (1 << size) - 1 if size < words * 32 else -1
+        whole, below = [], []
+        for i in range(0, nbytes, wb):
+            x = frm(buf[i : i + wb], "little")
+            c = x.bit_count()
+            whole.append(c)
+            below.append((x & keep).bit_count() if keep >= 0 else c)
     else:
         count, below_arr = row_counts(bm, total, None, size)
         below = below_arr.tolist()
         whole = count.tolist() if below_arr is not count else below
-    spans = []
-    for g, hi in enumerate(last):
-        if hi >= 0:
-            r0 = row0[g]
-            if 0 in below[r0 : r0 + hi + 1]:
-                # A filled row that allows nothing makes its request fail: the general assembly's decision.
-                return None
-            spans.append((r0, r0 + hi + 1, g))
-    # Rows no request filled are all-allowed; the filled ones hold the grammar's masks.
-    spans.sort()
+    # Requests in row order (the producer's usual order needs no sort).
+    in_order = g_count < 2 or all(row0[g] < row0[g + 1] for g in range(g_count - 1))
+    order = range(g_count) if in_order else sorted(range(g_count), key=row0.__getitem__)
     pos = 0
-    for a, b, _ in spans:
-        if a > pos:
-            sub[pos:a] = -1
-        pos = b
-    if pos < total:
-        sub[pos:total] = -1
-    # The single-token rows (rare: a forced token) are set one by one.
+    gaps: list[tuple[int, int]] = []
     forced: npt.NDArray[np.bool_] | None = None
-    for a, b, g in spans:
-        if 1 in whole[a:b]:
-            for p in range(b - a):
-                if whole[a + p] == 1:
-                    if forced is None:
-                        forced = np.zeros((g_count, width), dtype=bool)
-                    forced[g, p] = True
+    for g in order:
+        hi = last[g]
+        if hi < 0:
+            continue
+        a = row0[g]
+        b = a + hi + 1
+        for p in range(a, b):
+            if below[p] == 0:
+                # A filled row that allows nothing makes its request fail: the general assembly's
+                # decision (nothing has been written yet).
+                return None
+            if whole[p] == 1:
+                # A single-token row (rare: a forced token).
+                if forced is None:
+                    forced = np.zeros((g_count, width), dtype=bool)
+                forced[g, p - a] = True
+        if a > pos:
+            gaps.append((pos, a))
+        pos = b
+    # Rows no request filled are all-allowed; the filled ones hold the grammar's masks.
+    if pos < total:
+        gaps.append((pos, total))
+    for a, b in gaps:
+        bm[a:b] = -1
     return served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width) if forced is None else forced)
