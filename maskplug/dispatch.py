@@ -202,7 +202,7 @@ def _int_vector(
 
 def apply_grammar_bitmask(
     logits: torch.Tensor,
-    bitmask: torch.Tensor,
+    bitmask: torch.Tensor | np.ndarray[Any, Any],
     mapping: RowMapping | tuple[Any, Any],
     cu_logits: Any,
     *,
@@ -219,7 +219,9 @@ def apply_grammar_bitmask(
 
     Args:
         logits: ``(rows, width)`` fp32/fp16/bf16, column stride 1, any row stride.
-        bitmask: int32 ``(mask rows, words)`` on the logits device.
+        bitmask: int32 ``(mask rows, words)`` on the logits device; with CPU
+            logits also an int32 numpy array (what vLLM's scheduler hands its
+            workers), read in place without a tensor made around it.
         mapping: a :class:`RowMapping` or a ``(request, position)`` pair of
             numpy arrays or tensors, one entry per bitmask row.
         cu_logits: ``n + 1`` active offsets (numpy or a tensor; on CUDA a device
@@ -263,15 +265,33 @@ def apply_grammar_bitmask(
             "cannot record); mask under torch.no_grad() or pass logits.detach()"
         )
     device = logits.device
-    if not isinstance(bitmask, torch.Tensor):
-        raise LayoutError(f"bitmask: expected a torch.Tensor, got {type(bitmask).__name__}")
-    bshape = bitmask.shape
-    if len(bshape) != 2:
-        raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {tuple(bshape)}")
-    if bitmask.dtype != torch.int32:
-        raise LayoutError(f"bitmask: expected int32, got {bitmask.dtype}")
-    if bitmask.device != device:
-        raise LayoutError(f"bitmask: expected device {device} (the logits device), got {bitmask.device}")
+    host_words: np.ndarray[Any, Any] | None = None
+    if isinstance(bitmask, np.ndarray):
+        # Rows as the engine's scheduler made them: on the CPU they are read straight from numpy
+        # (a tensor made around them would be turned back into an array to mask with).
+        if device != _CPU and device.type != "cpu":
+            raise LayoutError(
+                f"bitmask: a numpy bitmask needs logits on the CPU, got logits on {device}; "
+                f"move it to the logits device first (torch.from_numpy(bitmask).to({str(device)!r}))"
+            )
+        if bitmask.ndim != 2:
+            raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {bitmask.shape}")
+        if bitmask.dtype != np.int32:
+            raise LayoutError(f"bitmask: expected int32 (native byte order), got numpy {bitmask.dtype.str}")
+        host_words = bitmask if bitmask.flags.c_contiguous else np.ascontiguousarray(bitmask)
+        bshape = host_words.shape
+    elif not isinstance(bitmask, torch.Tensor):
+        raise LayoutError(
+            f"bitmask: expected a torch.Tensor or (with CPU logits) a numpy array, got {type(bitmask).__name__}"
+        )
+    else:
+        bshape = bitmask.shape
+        if len(bshape) != 2:
+            raise LayoutError(f"bitmask: expected 2-D (rows, words), got shape {tuple(bshape)}")
+        if bitmask.dtype != torch.int32:
+            raise LayoutError(f"bitmask: expected int32, got {bitmask.dtype}")
+        if bitmask.device != device:
+            raise LayoutError(f"bitmask: expected device {device} (the logits device), got {bitmask.device}")
     rows, words = bshape
     if vocab_size is None:
         if 32 * words < width:
@@ -303,7 +323,8 @@ def apply_grammar_bitmask(
             # The built-in CPU path on a few checked rows: straight from the lists, no tensors in between.
             live = live_rows(req_list, pos_list, cu_list)
             if live is not None:
-                mask_rows_cpu(logits, bitmask.contiguous(), live, int(vocab_size), tail == "mask")
+                words_in = host_words if host_words is not None else bitmask.contiguous()
+                mask_rows_cpu(logits, words_in, live, int(vocab_size), tail == "mask")
                 return
         assert isinstance(mapping, RowMapping)  # _checked_rows accepts nothing else
         request, position = mapping._tensors()
@@ -315,7 +336,7 @@ def apply_grammar_bitmask(
             return
     be.apply(
         logits,
-        bitmask.contiguous(),
+        torch.from_numpy(host_words) if host_words is not None else bitmask.contiguous(),
         request,
         position,
         cu,

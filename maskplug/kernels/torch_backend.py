@@ -353,18 +353,23 @@ def live_rows(request: list[int], position: list[int], cu: list[int]) -> list[tu
 
 
 def mask_rows_cpu(
-    logits: torch.Tensor, bitmask: torch.Tensor, live: list[tuple[int, int]], vocab_size: int, mask_tail: bool
+    logits: torch.Tensor,
+    bitmask: torch.Tensor | npt.NDArray[np.int32],
+    live: list[tuple[int, int]],
+    vocab_size: int,
+    mask_tail: bool,
 ) -> None:
     """Mask CPU ``logits`` row ``d`` with ``bitmask`` row ``i`` for each ``(d, i)`` of ``live`` (distinct ``d``).
 
     Normalised arguments as :class:`~maskplug.kernels.sdk.KernelBackend` gets
-    them (``bitmask`` contiguous); on the calling thread only.
+    them (``bitmask`` contiguous: a tensor, or its numpy array); on the
+    calling thread only.
     """
     if not live:
         return
     ibits, ninf = _CPU_BITS[logits.dtype]
     xi = _int_view(logits, ibits)
-    words = _int_view(bitmask, torch.int32)
+    words = bitmask if isinstance(bitmask, np.ndarray) else _int_view(bitmask, torch.int32)
     width = xi.shape[1]
     if width > _SMALL_ROW and cpu_numba.available():
         cpu_numba.mask_rows(

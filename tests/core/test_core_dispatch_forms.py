@@ -141,3 +141,51 @@ def test_offsets_checked_without_int32_wraparound(form: str) -> None:
         )
     assert "cu_logits: expected non-decreasing offsets" in str(info.value)
     assert torch.equal(logits, before)
+
+
+# -- a numpy bitmask with CPU logits ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.booleans(), st.booleans(), st.sampled_from(["torch", "auto"]))
+def test_numpy_bitmask_matches_reference(case: dict[str, Any], row_mapping: bool, strided: bool, backend: str) -> None:
+    """With CPU logits the bitmask may be the scheduler's numpy array: the same logits as the tensor, bit for bit."""
+    pair = (case["request"].astype(np.int32), case["position"].astype(np.int32))
+    expected = case["logits"].clone()
+    reference.apply_grammar_bitmask(expected, case["bitmask"], pair, case["cu"], tail="mask")
+    words = case["bitmask"].numpy()
+    if strided:
+        # Every other row of a twice-as-tall array: int32 but not contiguous.
+        tall = np.repeat(words, 2, axis=0)
+        words = tall[::2]
+    before = words.copy()
+    mapping: Any = RowMapping(*pair) if row_mapping else pair
+    got = case["logits"].clone()
+    mp.apply_grammar_bitmask(got, words, mapping, case["cu"], tail="mask", backend=backend)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert np.array_equal(words, before)  # only read
+
+
+@pytest.mark.parametrize(
+    ("bitmask", "logits_device", "message"),
+    [
+        (np.zeros((2, 2), dtype=np.int64), "cpu", "bitmask: expected int32 (native byte order), got numpy <i8"),
+        (np.zeros((2, 2), dtype=">i4"), "cpu", "bitmask: expected int32 (native byte order), got numpy >i4"),
+        (np.zeros(4, dtype=np.int32), "cpu", "bitmask: expected 2-D (rows, words), got shape (4,)"),
+        (
+            np.zeros((2, 2), dtype=np.int32),
+            "meta",
+            "bitmask: a numpy bitmask needs logits on the CPU, got logits on meta",
+        ),
+        ([[0, 0], [0, 0]], "cpu", "bitmask: expected a torch.Tensor or (with CPU logits) a numpy array, got list"),
+    ],
+)
+def test_bad_numpy_bitmask_refused(bitmask: Any, logits_device: str, message: str) -> None:
+    logits = torch.randn(4, 64, device=logits_device)
+    before = logits.clone() if logits_device == "cpu" else None
+    mapping = RowMapping(np.array([0, 1], dtype=np.int32), np.array([0, 0], dtype=np.int32))
+    with pytest.raises(LayoutError) as info:
+        mp.apply_grammar_bitmask(logits, bitmask, mapping, np.array([0, 2, 4]))
+    assert message in str(info.value)
+    if before is not None:
+        assert torch.equal(logits, before)

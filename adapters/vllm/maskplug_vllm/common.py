@@ -127,7 +127,10 @@ def apply_rows(
     ``cu`` are the live logits-row offsets per request (host or device);
     ``out`` is the device buffer for the bitmask copy (see :func:`bitmask_to`).
     """
-    bitmask = bitmask_to(logits.device, bitmask_np, out)
+    device = logits.device
+    # On the CPU the scheduler's numpy rows are masked from as they are (apply_grammar_bitmask takes
+    # numpy there): a tensor around them would only be turned back into an array.
+    bitmask = bitmask_np if device.type == "cpu" else bitmask_to(device, bitmask_np, out)
     # vLLM sizes both from the model's vocabulary; take the common part so a
     # narrower mask never reads past its words (the rest is masked as tail).
     vocab_size = int(min(logits.shape[1], 32 * bitmask.shape[1]))
