@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -323,7 +323,7 @@ def apply_grammar_bitmask(
             # The built-in CPU path on a few checked rows: straight from the lists, no tensors in between.
             live = live_rows(req_list, pos_list, cu_list)
             if live is not None:
-                words_in = host_words if host_words is not None else bitmask.contiguous()
+                words_in = host_words if host_words is not None else cast(torch.Tensor, bitmask).contiguous()
                 mask_rows_cpu(logits, words_in, live, int(vocab_size), tail == "mask")
                 return
         assert isinstance(mapping, RowMapping)  # _checked_rows accepts nothing else
@@ -336,7 +336,7 @@ def apply_grammar_bitmask(
             return
     be.apply(
         logits,
-        torch.from_numpy(host_words) if host_words is not None else bitmask.contiguous(),
+        torch.from_numpy(host_words) if host_words is not None else cast(torch.Tensor, bitmask).contiguous(),
         request,
         position,
         cu,
