@@ -139,7 +139,11 @@ def serve(cfg: dict[str, Any]) -> None:
     for c in cfg["concurrency"]:
         tiny.closed_loop(engine, make(c, 10_000 + c), c, 8, f"warm-{c}")
     timers = _install_timers()
-    _answer({"ready": True})
+    import maskplug_vllm
+
+    import maskplug
+
+    _answer({"ready": True, "maskplug": maskplug.__file__, "maskplug_vllm": maskplug_vllm.__file__})
     for line in sys.stdin:
         cmd = json.loads(line)
         reqs = make(cmd["n"], cmd["seed"])
@@ -158,16 +162,21 @@ def serve(cfg: dict[str, Any]) -> None:
 def _mode_env(mode: str) -> dict[str, str]:
     """A mode's environment; ``<mode>@<tree>`` runs it on another source tree of maskplug (an A/B of two versions).
 
-    The other tree replaces this one in every ``PYTHONPATH`` entry (the
-    packages of a source checkout are found through ``PYTHONPATH``).
+    The other tree's packages (``maskplug`` and ``maskplug_vllm``) come first
+    on ``PYTHONPATH``, ahead of the environment's editable installs of this
+    tree, and the other tree replaces this one in every ``PYTHONPATH`` entry.
+    Each engine reports where it imported ``maskplug`` from.
     """
     name, _, tree = mode.partition("@")
     env = tiny.child_env(MODES[name])
     if tree:
         here = str(Path(__file__).resolve().parents[1])
         other = str(Path(tree).resolve())
-        parts = env.get("PYTHONPATH", "").split(os.pathsep)
-        env["PYTHONPATH"] = os.pathsep.join(other + q[len(here) :] if q.startswith(here) else q for q in parts)
+        parts = [q for q in env.get("PYTHONPATH", "").split(os.pathsep) if q]
+        front = [other, str(Path(other) / "adapters" / "vllm")]
+        env["PYTHONPATH"] = os.pathsep.join(
+            front + [other + q[len(here) :] if q.startswith(here) else q for q in parts]
+        )
     return env
 
 
@@ -234,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
         engines = start()
         print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
+        for m, e in engines.items():
+            print(f"  {m}: maskplug from {e.ready.get('maskplug')}, maskplug_vllm from {e.ready.get('maskplug_vllm')}")
         rows: list[dict[str, Any]] = []
         mismatches: list[str] = []
         try:
