@@ -103,17 +103,20 @@ def _numpy_rows(bitmask: torch.Tensor, total: int) -> np.ndarray:
     return (bitmask.numpy() if b is None else b[4])[:total]
 
 
-def bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The scheduler's numpy bitmask as an int32 tensor on ``device`` (asynchronous on CUDA).
+def bitmask_to(device: torch.device, bitmask: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor | np.ndarray:
+    """The scheduler's numpy bitmask ready for :func:`maskplug.apply_grammar_bitmask` on ``device``.
 
-    ``out``, a device buffer at least as tall and exactly as wide, receives
-    the copy when given (the worker's own bitmask buffer); otherwise a new
-    device tensor does.
+    On the CPU, the contiguous int32 numpy array itself (the apply masks from
+    numpy there: a tensor around it would only be turned back into an
+    array); elsewhere an int32 tensor on ``device``, copied asynchronously on
+    CUDA. ``out``, a device buffer at least as tall and exactly as wide,
+    receives the copy when given (the worker's own bitmask buffer);
+    otherwise a new device tensor does.
     """
-    host = torch.from_numpy(np.ascontiguousarray(bitmask, dtype=np.int32))
+    words = np.ascontiguousarray(bitmask, dtype=np.int32)
     if device.type == "cpu":
-        return host
-    host = host.pin_memory()
+        return words
+    host = torch.from_numpy(words).pin_memory()
     if out is not None and out.shape[0] >= host.shape[0] and out.shape[1] == host.shape[1]:
         return out[: host.shape[0]].copy_(host, non_blocking=True)
     return host.to(device, non_blocking=True)
@@ -127,10 +130,7 @@ def apply_rows(
     ``cu`` are the live logits-row offsets per request (host or device);
     ``out`` is the device buffer for the bitmask copy (see :func:`bitmask_to`).
     """
-    device = logits.device
-    # On the CPU the scheduler's numpy rows are masked from as they are (apply_grammar_bitmask takes
-    # numpy there): a tensor around them would only be turned back into an array.
-    bitmask = bitmask_np if device.type == "cpu" else bitmask_to(device, bitmask_np, out)
+    bitmask = bitmask_to(logits.device, bitmask_np, out)
     # vLLM sizes both from the model's vocabulary; take the common part so a
     # narrower mask never reads past its words (the rest is masked as tail).
     vocab_size = int(min(logits.shape[1], 32 * bitmask.shape[1]))
