@@ -24,7 +24,7 @@ step on the same matchers:
   draft, ..., roll back), written directly on xgrammar's ``GrammarMatcher``:
   a lower bound of any producer on these matchers.
 
-Each round times all three, one after the other in alternating order, in CPU time
+Each round times all three, one after the other in rotating order, in CPU time
 of this thread per step (the fastest of five batches of ``--calls`` steps);
 the summary is the median over rounds of the per-round ratios of ``maskplug``
 to ``vllm`` and to ``loop``. With ``--cold``
