@@ -17,8 +17,9 @@ import torch
 
 from ._checks import INT32_MAX, host_int
 from .errors import BackendUnavailable, LayoutError
+from .kernels import cpu_numba
 from .kernels.sdk import BackendBase, KernelBackend
-from .kernels.torch_backend import FEW_ROWS, TorchBackend, live_rows, mask_rows_cpu
+from .kernels.torch_backend import CPU_BITS, FEW_ROWS, TorchBackend, live_rows, mask_rows_cpu
 from .layout import RowMapping
 from .plugins import KERNEL_BACKEND_ENV, get_registry
 
@@ -313,6 +314,31 @@ def apply_grammar_bitmask(
         raise LayoutError(f"tail: expected 'mask' or 'keep', got {tail!r}")
 
     # ---- mapping and offsets -------------------------------------------------
+    if (
+        type(mapping) is RowMapping
+        and type(cu_logits) is np.ndarray
+        and cu_logits.dtype in _CU_DTYPES
+        and cu_logits.ndim == 1
+        and (device == _CPU or device.type == "cpu")
+        and cpu_numba.serves()
+    ):
+        be = _resolve_cached(backend, device)
+        if type(be) is TorchBackend:
+            # The built-in CPU path in one compiled call: it checks the mapping against the offsets
+            # before writing anything, finds the live rows and masks them (see cpu_numba.mask_mapped).
+            ibits, ninf = CPU_BITS[logits.dtype]
+            src = logits.detach() if logits.requires_grad else logits
+            xi = src.numpy().view(np.int32) if ibits is torch.int32 else src.view(ibits).numpy()
+            if host_words is None:
+                host_words = cast(torch.Tensor, bitmask).contiguous().numpy()
+            code = cpu_numba.mask_mapped(
+                xi, host_words, mapping.request, mapping.position, cu_logits, int(vocab_size), tail == "mask", ninf
+            )
+            if code:
+                # Refused, nothing written: the full checks word the error.
+                _rows_and_offsets(mapping, cu_logits, rows, device, num_logits)
+                raise LayoutError(f"mapping: refused by the CPU kernel's checks (code {code}) against cu_logits")
+            return
     checked = _checked_rows(mapping, cu_logits, rows, device, num_logits)
     if checked is not None:
         be = _resolve_cached(backend, device)
@@ -346,6 +372,7 @@ def apply_grammar_bitmask(
 
 
 _CPU = torch.device("cpu")  # comparing devices is cheaper than reading a device's type
+_CU_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # offsets the compiled CPU path reads as they are
 
 #: Checked mappings and offsets up to this many entries are read as Python lists (one ``tolist`` each)
 #: rather than by numpy reductions.

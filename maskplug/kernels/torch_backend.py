@@ -1,6 +1,10 @@
 """The built-in ``torch`` kernel backend: runs wherever torch does.
 
 CPU path: the live rows are known on the host, so only they are touched.
+Where numba is installed, :func:`maskplug.apply_grammar_bitmask` hands a
+:class:`~maskplug.RowMapping` with numpy offsets straight to one compiled
+call (:func:`maskplug.kernels.cpu_numba.mask_mapped`: checks, live rows and
+masking together); what follows is the path for everything else.
 Rows wider than ``_SMALL_ROW`` columns, and every row of a batch of more
 than ``FEW_ROWS`` mask rows, go to the numba kernel
 (:mod:`maskplug.kernels.cpu_numba`: one branch-free pass per row, about the
@@ -49,7 +53,7 @@ from ..hookspecs import hookimpl
 from . import cpu_numba
 from .sdk import INT_VIEW, NINF_BITS, BackendBase, LaunchArgs, Launcher, launcher_from
 
-__all__ = ["FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
+__all__ = ["CPU_BITS", "FEW_ROWS", "TorchBackend", "live_rows", "mask_rows_cpu"]
 
 _CHUNK_ELEMS = (
     1 << 17
@@ -67,7 +71,7 @@ _DROP_BITS = (np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bit
     :, 0
 ]
 """``_DROP_BITS[b]``: the 8 columns a mask byte ``b`` drops, as 8 booleans in one ``uint64`` (one ``take`` per row)."""
-_CPU_BITS: dict[torch.dtype, tuple[torch.dtype, np.signedinteger[Any]]] = {
+CPU_BITS: dict[torch.dtype, tuple[torch.dtype, np.signedinteger[Any]]] = {
     dt: (INT_VIEW[dt], _NP_INT[INT_VIEW[dt]](NINF_BITS[dt])) for dt in INT_VIEW
 }
 """Per logits dtype: the integer view and its ``-inf`` bit pattern as a numpy scalar (looked up once per call)."""
@@ -367,7 +371,7 @@ def mask_rows_cpu(
     """
     if not live:
         return
-    ibits, ninf = _CPU_BITS[logits.dtype]
+    ibits, ninf = CPU_BITS[logits.dtype]
     xi = _int_view(logits, ibits)
     words = bitmask if isinstance(bitmask, np.ndarray) else _int_view(bitmask, torch.int32)
     width = xi.shape[1]
