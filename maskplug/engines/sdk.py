@@ -292,11 +292,10 @@ def accept_emitted(matcher: Matcher, tokens: Sequence[int]) -> int:
     goes through ``accept`` and its checks (a bad id raises
     :class:`~maskplug.GrammarError` there).
     """
+    if plain_matcher_type(type(matcher)):
+        return cast(MatcherBase, matcher)._accept_run(tokens)
     fast: Callable[[int], bool] = matcher.accept
     size = -1  # every id through accept()
-    if plain_matcher_type(type(matcher)):
-        base = cast(MatcherBase, matcher)
-        fast, size = base._accept_id, base.vocab.vocab_size
     terminated = matcher.is_terminated
     n = 0
     for t in tokens:

@@ -397,6 +397,34 @@ class MatcherBase:
             return False
         return self._accept(t)
 
+    def _accept_run(self, tokens: Sequence[int]) -> int:
+        """:func:`~maskplug.engines.sdk.accept_emitted` on this matcher: how many of ``tokens`` it took.
+
+        :meth:`_accept_id` token by token, in one frame: an engine advances every
+        grammar request by its emitted tokens every step, and between forward
+        passes each Python call costs microseconds. An id that is not an
+        ``int`` in ``[0, vocab_size)`` goes through :meth:`accept` (which
+        raises :class:`~maskplug.GrammarError` for a bad one).
+        """
+        vocab = self.vocab
+        eos, special, size, known = vocab.eos_ids, vocab.special_ids, vocab.vocab_size, len(vocab.tokens)
+        accept = self._accept
+        n = 0
+        for t in tokens:
+            if self._terminated:
+                break
+            if t.__class__ is not int or not 0 <= t < size:
+                if not self.accept(t):
+                    break
+            elif t in eos:
+                if not self._is_complete():
+                    break
+                self._terminated = True
+            elif t in special or t >= known or not accept(t):
+                break
+            n += 1
+        return n
+
     def _rollback_walked(self, n: int) -> None:
         """:meth:`rollback` of ``n`` tokens this caller's walk accepted (an int, at most what was accepted)."""
         # Engines that keep no count (xgrammar) find out only when asked to undo
