@@ -571,6 +571,48 @@ class _Controller:
             self.scheduler.observe(outcome)
         self._count(plan, num_emitted, num_accepted, lay.total_drafts)
 
+    def finish_all(self, requests: Mapping[str, Any], so: Any, output: Any) -> None:
+        """Count a ``verify-all`` step that was not planned, from vLLM's scheduler and runner outputs.
+
+        What :meth:`plan` and :meth:`finish` would count for it (every draft
+        verified, the regime ``full``), read in one pass over the step's
+        requests: the built-in ``verify-all`` learns nothing, so the engine
+        core keeps no plan between the two calls. ``requests`` is the
+        scheduler's own ``requests`` map (which requests have a grammar).
+        """
+        nst: Mapping[str, int] = so.num_scheduled_tokens
+        spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
+        sampled = getattr(output, "sampled_token_ids", None) or []
+        index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
+        num_sampled = len(sampled)
+        get, drafts_of = index.get, spec.get
+        total = num_emitted = num_accepted = 0
+        for r in nst:
+            d = drafts_of(r)
+            nd = len(d) if d else 0
+            total += nd
+            j = get(r)
+            if j is None or j >= num_sampled:
+                continue
+            e = len(sampled[j])
+            num_emitted += e
+            if e > 1 and nd:
+                num_accepted += min(e - 1, nd)
+        structured = False
+        num_grammar = 0
+        if getattr(so, "has_structured_output_requests", True):
+            # The requests vLLM's get_grammar_bitmask produces rows for.
+            for r in nst:
+                req = requests.get(r)
+                if req is not None and req.use_structured_output and not req.is_prefill_chunk:
+                    num_grammar += 1
+                    if total and drafts_of(r):
+                        structured = True
+        finished = list(so.finished_req_ids) if so.finished_req_ids else []
+        plan = _Plan(None, total, None, "full", structured, num_grammar, finished)
+        plan._nst = nst
+        self._count(plan, num_emitted, num_accepted, None)
+
     def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
         """Add a finished step to the counters and metrics, and tell ``maskplug_step_end`` listeners."""
         if scheduled is None:
@@ -703,6 +745,12 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
             if so.finished_req_ids:
                 ctl.forget(so.finished_req_ids)
             return so
+        if ctl.verifies_all:
+            # Nothing to plan: every draft is verified and nothing is learnt, so vLLM produces its rows
+            # where it always does and update_from_output counts the step from vLLM's own outputs.
+            if so.finished_req_ids:
+                ctl.confidences.forget(list(so.finished_req_ids))
+            return so
         # The rows for every scheduled draft, produced now (vLLM would produce the same rows while
         # the model runs): the budget needs the step's draft masks before the step is sent.
         manager = self.structured_output_manager
@@ -744,10 +792,15 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
-        entry = _pending(self).pop(id(scheduler_output), None)
         ctl = _controller
-        if ctl is not None and entry is not None and entry[0] is scheduler_output and entry[2] is not None:
-            ctl.finish(entry[2], model_runner_output)
+        if ctl is not None:
+            pending = _pending(self)
+            entry = pending.pop(id(scheduler_output), None) if pending else None
+            if entry is not None:
+                if entry[0] is scheduler_output and entry[2] is not None:
+                    ctl.finish(entry[2], model_runner_output)
+            elif ctl.verifies_all and scheduler_output.total_num_scheduled_tokens:
+                ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         return orig(self, scheduler_output, model_runner_output)
 
     return wraps(orig)(update_from_output)

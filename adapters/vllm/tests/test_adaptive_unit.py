@@ -521,11 +521,48 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
     watched = Watched()
     fast = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
     general = adaptive._Controller(watched, "verify-all", CostModel.linear())
+    # What the engine runs for the built-in verify-all: no plan; the step counted from vLLM's outputs.
+    unplanned = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    records: list[dict[str, Any]] = []
+    listener = _StepEndListener(records)
+    registry = get_registry()
+    registry.pm.register(listener)
     assert fast.verifies_all and not general.verifies_all
     rng = np.random.default_rng(5)
+    try:
+        _verify_all_steps(rng, fast, general, unplanned, records)
+    finally:
+        registry.pm.unregister(listener)
+    assert fast.stats == general.stats == unplanned.stats
+    assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
+    assert fast.stats["structured_steps"] > 0
+
+
+class _StepEndListener:
+    def __init__(self, records: list[dict[str, Any]]) -> None:
+        self.records = records
+
+    @hookimpl
+    def maskplug_step_end(self, stats: dict[str, Any]) -> None:
+        self.records.append(dict(stats))
+
+
+def _verify_all_steps(
+    rng: np.random.Generator,
+    fast: adaptive._Controller,
+    general: adaptive._Controller,
+    unplanned: adaptive._Controller,
+    records: list[dict[str, Any]],
+) -> None:
     for _ in range(60):
         so, ids, nd, _ = _step(rng)
         gids = ids[: len(ids) // 2]
+        # vLLM's get_grammar_bitmask produces rows for the grammar requests that are not prefill chunks.
+        requests = {r: SimpleNamespace(use_structured_output=r in gids, is_prefill_chunk=False) for r in ids}
+        if rng.random() < 0.2 and gids:
+            requests[gids[-1]].is_prefill_chunk = True
+            gids = gids[:-1]
+        so.has_structured_output_requests = bool(gids)
         go = _with_grammar(
             so, gids, [int(nd[i]) for i in range(len(gids))], sum(1 + int(nd[i]) for i in range(len(gids)))
         )
@@ -544,13 +581,15 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
         if rng.random() < 0.3:
             del index[ids[int(rng.integers(0, len(ids)))]]  # a request the runner no longer holds
         out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index)
+        del records[:]
         fast.finish(a, out)
         general.finish(b, out)
+        unplanned.finish_all(requests, so, out)
+        # The same step record for listeners, planned or not.
+        assert len(records) == 3 and records[0] == records[1] == records[2]
         # The fast plan builds its layout only when asked (after its outcome here): the same one.
         assert a.capacity.tolist() == b.capacity.tolist() == nd.tolist()
         assert a.layout.req_ids.tolist() == b.layout.req_ids.tolist()
-    assert fast.stats == general.stats
-    assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
 
 
 def test_the_first_trimmed_draft_is_judged_by_the_emitted_token() -> None:
