@@ -224,6 +224,17 @@ class Registry:
         """Call every ``maskplug_step_end`` hook."""
         self.pm.hook.maskplug_step_end(stats=stats)
 
+    def step_end_listened(self) -> bool:
+        """Whether any ``maskplug_step_end`` hook is registered (an engine builds the record only then).
+
+        Asked every engine step: pluggy's own list of implementations is read
+        where it has one (``get_hookimpls`` copies it), so a plugin registered
+        at any time, through :meth:`add_plugin` or ``pm.register``, counts.
+        """
+        caller = self.pm.hook.maskplug_step_end
+        impls = getattr(caller, "_hookimpls", None)
+        return bool(impls) if type(impls) is list else bool(caller.get_hookimpls())
+
 
 _registry: Registry | None = None
 _lock = threading.Lock()

@@ -571,14 +571,15 @@ class _Controller:
             self.scheduler.observe(outcome)
         self._count(plan, num_emitted, num_accepted, lay.total_drafts)
 
-    def finish_all(self, requests: Mapping[str, Any], so: Any, output: Any) -> None:
+    def finish_all(self, requests: Mapping[str, Any], so: Any, output: Any, gids: Sequence[str] | None = None) -> None:
         """Count a ``verify-all`` step that was not planned, from vLLM's scheduler and runner outputs.
 
         What :meth:`plan` and :meth:`finish` would count for it (every draft
         verified, the regime ``full``), read in one pass over the step's
         requests: the built-in ``verify-all`` learns nothing, so the engine
-        core keeps no plan between the two calls. ``requests`` is the
-        scheduler's own ``requests`` map (which requests have a grammar).
+        core keeps no plan between the two calls. ``gids`` are the step's
+        grammar requests when its grammar output is at hand, else they are
+        found in ``requests``, the scheduler's own map, as vLLM finds them.
         """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
@@ -600,7 +601,10 @@ class _Controller:
                 num_accepted += min(e - 1, nd)
         structured = False
         num_grammar = 0
-        if getattr(so, "has_structured_output_requests", True):
+        if gids is not None:
+            num_grammar = len(gids)
+            structured = bool(total) and any(map(drafts_of, gids))
+        elif getattr(so, "has_structured_output_requests", True):
             # The requests vLLM's get_grammar_bitmask produces rows for.
             for r in nst:
                 req = requests.get(r)
@@ -631,7 +635,7 @@ class _Controller:
             if self.metrics is not None:
                 self.metrics.publish(st, plan.budget)
         registry = get_registry()
-        if not registry.pm.hook.maskplug_step_end.get_hookimpls():
+        if not registry.step_end_listened():
             return  # nobody listens: the record is not even built (it is per step, on the engine's path)
         registry.step_end(
             {
@@ -799,11 +803,17 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
         if ctl is not None:
             pending = _pending(self)
             entry = pending.pop(id(scheduler_output), None) if pending else None
-            if entry is not None and entry[0] is scheduler_output and entry[2] is not None:
+            if entry is not None and entry[0] is not scheduler_output:
+                entry = None
+            if entry is not None and entry[2] is not None:
                 ctl.finish(entry[2], model_runner_output)
             elif ctl.verifies_all and scheduler_output.total_num_scheduled_tokens:
                 # A verify-all step: planned as nothing (or before the scheduler became verify-all).
-                ctl.finish_all(self.requests, scheduler_output, model_runner_output)
+                gids = None
+                if entry is not None:
+                    go = entry[1]
+                    gids = go.structured_output_request_ids if go is not None else ()
+                ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
         return orig(self, scheduler_output, model_runner_output)
 
     return wraps(orig)(update_from_output)

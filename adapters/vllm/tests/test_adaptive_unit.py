@@ -523,6 +523,8 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
     general = adaptive._Controller(watched, "verify-all", CostModel.linear())
     # What the engine runs for the built-in verify-all: no plan; the step counted from vLLM's outputs.
     unplanned = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    # ... with the grammar requests read off the step's grammar output (rows produced in schedule).
+    from_output = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
     records: list[dict[str, Any]] = []
     listener = _StepEndListener(records)
     registry = get_registry()
@@ -530,10 +532,10 @@ def test_verify_all_shortcut_counts_what_the_general_path_counts() -> None:
     assert fast.verifies_all and not general.verifies_all
     rng = np.random.default_rng(5)
     try:
-        _verify_all_steps(rng, fast, general, unplanned, records)
+        _verify_all_steps(rng, fast, general, [unplanned, from_output], records)
     finally:
         registry.pm.unregister(listener)
-    assert fast.stats == general.stats == unplanned.stats
+    assert fast.stats == general.stats == unplanned.stats == from_output.stats
     assert fast.stats["drafts_accepted"] > 0 and len(watched.outcomes) == 60
     assert fast.stats["structured_steps"] > 0
 
@@ -551,7 +553,7 @@ def _verify_all_steps(
     rng: np.random.Generator,
     fast: adaptive._Controller,
     general: adaptive._Controller,
-    unplanned: adaptive._Controller,
+    unplanned: list[adaptive._Controller],
     records: list[dict[str, Any]],
 ) -> None:
     for _ in range(60):
@@ -584,9 +586,10 @@ def _verify_all_steps(
         del records[:]
         fast.finish(a, out)
         general.finish(b, out)
-        unplanned.finish_all(requests, so, out)
+        unplanned[0].finish_all(requests, so, out)
+        unplanned[1].finish_all(requests, so, out, list(gids))
         # The same step record for listeners, planned or not.
-        assert len(records) == 3 and records[0] == records[1] == records[2]
+        assert len(records) == 4 and records[0] == records[1] == records[2] == records[3]
         # The fast plan builds its layout only when asked (after its outcome here): the same one.
         assert a.capacity.tolist() == b.capacity.tolist() == nd.tolist()
         assert a.layout.req_ids.tolist() == b.layout.req_ids.tolist()
