@@ -612,28 +612,51 @@ class _Controller:
                     num_grammar += 1
                     if total and drafts_of(r):
                         structured = True
-        finished = list(so.finished_req_ids) if so.finished_req_ids else []
-        plan = _Plan(None, total, None, "full", structured, num_grammar, finished)
-        plan._nst = nst
-        self._count(plan, num_emitted, num_accepted, None)
+        finished = so.finished_req_ids
+        self._tally(
+            total, total, num_emitted, num_accepted, structured, "full", len(nst), num_grammar, len(finished or ())
+        )
 
     def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
         """Add a finished step to the counters and metrics, and tell ``maskplug_step_end`` listeners."""
-        if scheduled is None:
-            scheduled = plan.budget  # a verify-all step: every scheduled draft verified
+        self._tally(
+            plan.budget if scheduled is None else scheduled,  # None: a verify-all step, every draft verified
+            plan.budget,
+            num_emitted,
+            num_accepted,
+            plan.structured,
+            plan.regime,
+            plan.num_requests,
+            plan.num_grammar,
+            len(plan.finished),
+        )
+
+    def _tally(
+        self,
+        scheduled: int,
+        budget: int,
+        num_emitted: int,
+        num_accepted: int,
+        structured: bool,
+        regime: str,
+        num_requests: int,
+        num_grammar: int,
+        num_finished: int,
+    ) -> None:
+        """:meth:`_count` of a step given by its figures (a verify-all step has no plan to read them from)."""
         with self.lock:
             st = self.stats
             step = st["steps"]
-            st["steps"] += 1
+            st["steps"] = step + 1
             st["drafts_scheduled"] += scheduled
-            st["drafts_verified"] += plan.budget
+            st["drafts_verified"] += budget
             st["drafts_accepted"] += num_accepted
             st["tokens_emitted"] += num_emitted
-            if plan.structured:
+            if structured:
                 st["structured_steps"] += 1
-                st["regimes"][plan.regime] += 1
+                st["regimes"][regime] += 1
             if self.metrics is not None:
-                self.metrics.publish(st, plan.budget)
+                self.metrics.publish(st, budget)
         registry = get_registry()
         if not registry.step_end_listened():
             return  # nobody listens: the record is not even built (it is per step, on the engine's path)
@@ -641,15 +664,15 @@ class _Controller:
             {
                 "step": step,
                 "scheduler": self.name,
-                "num_requests": plan.num_requests,
-                "num_grammar_requests": plan.num_grammar,
+                "num_requests": num_requests,
+                "num_grammar_requests": num_grammar,
                 "scheduled_drafts": scheduled,
-                "budget": plan.budget,
-                "regime": plan.regime,
-                "structured": plan.structured,
+                "budget": budget,
+                "regime": regime,
+                "structured": structured,
                 "accepted": num_accepted,
                 "emitted": num_emitted,
-                "finished": len(plan.finished),
+                "finished": num_finished,
             }
         )
 
