@@ -29,7 +29,7 @@ functions with ``time.thread_time_ns`` (CPU time of the calling thread)
 around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
 the structured-output manager's ``grammar_bitmask`` (the mask rows), the
 model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
-planning and outcome (``_Controller.plan`` / ``finish``), per step that ran
+planning and outcome (``_Controller.plan`` / ``finish`` or ``finish_all``), per step that ran
 the model (engine steps that only wait differ in number between engines),
 and ``host``: their sum besides the forward pass (schedule, update, apply,
 and the rows where they were not produced inside the schedule: each timed
@@ -130,6 +130,8 @@ def _install_timers() -> _Timers:
 
         t.wrap(adaptive._Controller, "plan", "plan")
         t.wrap(adaptive._Controller, "finish", "outcome")
+        if hasattr(adaptive._Controller, "finish_all"):  # a verify-all step's outcome (not planned)
+            t.wrap(adaptive._Controller, "finish_all", "outcome")
     return t
 
 

@@ -812,9 +812,11 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
 
 def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
     def get_grammar_bitmask(self: Any, scheduler_output: Any) -> Any:
-        entry = _pending(self).get(id(scheduler_output))
-        if entry is not None and entry[0] is scheduler_output:
-            return entry[1]
+        pending = getattr(self, _STEPS_ATTR, None)
+        if pending:
+            entry = pending.get(id(scheduler_output))
+            if entry is not None and entry[0] is scheduler_output:
+                return entry[1]
         return orig(self, scheduler_output)
 
     return wraps(orig)(get_grammar_bitmask)
@@ -823,14 +825,17 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         ctl = _controller
-        if ctl is not None:
+        # vLLM's engine loop also calls this for steps that scheduled nothing (while requests wait,
+        # e.g. for their grammars: tens of thousands of calls in a benchmark's warm-up); those were
+        # never planned and cost one attribute read here.
+        if ctl is not None and scheduler_output.total_num_scheduled_tokens:
             pending = _pending(self)
             entry = pending.pop(id(scheduler_output), None) if pending else None
             if entry is not None and entry[0] is not scheduler_output:
                 entry = None
             if entry is not None and entry[2] is not None:
                 ctl.finish(entry[2], model_runner_output)
-            elif ctl.verifies_all and scheduler_output.total_num_scheduled_tokens:
+            elif ctl.verifies_all:
                 # A verify-all step: planned as nothing (or before the scheduler became verify-all).
                 gids = None
                 if entry is not None:
