@@ -62,35 +62,8 @@ def _load() -> Any:
         except Exception:  # pragma: no cover - depends on the environment
             _kernel = None
         else:
-            _kernel = _compile(numba)
-            _mapped = _compile_mapped(numba)
+            _kernel, _mapped = _compile(numba)
     return _kernel
-
-
-def _compile(numba: Any) -> Any:
-    @numba.njit(nogil=True, cache=True, boundscheck=False)
-    def kernel(xi: Any, by: Any, src: Any, dst: Any, vocab_size: int, mask_tail: bool, ninf: Any) -> None:
-        width = xi.shape[1]
-        n = min(vocab_size, width)
-        whole = n >> 3
-        for j in range(dst.shape[0]):
-            row = xi[dst[j]]
-            b8 = by[src[j]]
-            # Little-endian words: byte k holds tokens 8k..8k+7, bit b of it token 8k+b.
-            for k in range(whole):
-                v = np.int32(b8[k])
-                base = k * 8
-                for b in range(8):
-                    keep = -((v >> b) & 1)
-                    row[base + b] = (row[base + b] & keep) | (ninf & ~keep)
-            for c in range(whole * 8, n):
-                if (np.int32(b8[c >> 3]) >> (c & 7)) & 1 == 0:
-                    row[c] = ninf
-            if mask_tail:
-                for c in range(n, width):
-                    row[c] = ninf
-
-    return kernel
 
 
 #: What :func:`mask_mapped` returns: the call's arguments were written as asked, or which check failed
@@ -98,7 +71,33 @@ def _compile(numba: Any) -> Any:
 MAPPED_OK, MAPPED_BAD_LENGTH, MAPPED_BAD_OFFSETS, MAPPED_BAD_REQUEST, MAPPED_BAD_POSITION = range(5)
 
 
-def _compile_mapped(numba: Any) -> Any:
+def _compile(numba: Any) -> tuple[Any, Any]:
+    """The two kernels' dispatchers: rows already found live, and the whole apply through a mapping."""
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False, inline="always")
+    def mask_row(row: Any, w: Any, nb: int, mask_tail: bool, ninf: Any) -> None:
+        # Token 32k + b is bit b of word k, read by shifts (no byte order involved).
+        whole = nb >> 5
+        for k in range(whole):
+            word = w[k]
+            base = k * 32
+            for b in range(32):
+                # All in int32: promoted to int64 the loop does not vectorise (several times slower).
+                keep = np.int32(0) - ((word >> np.int32(b)) & np.int32(1))
+                row[base + b] = (row[base + b] & keep) | (ninf & ~keep)
+        for c in range(whole * 32, nb):
+            if (np.int32(w[c >> 5]) >> (c & 31)) & 1 == 0:
+                row[c] = ninf
+        if mask_tail:
+            for c in range(nb, row.shape[0]):
+                row[c] = ninf
+
+    @numba.njit(nogil=True, cache=True, boundscheck=False)
+    def rows_kernel(xi: Any, words: Any, src: Any, dst: Any, vocab_size: int, mask_tail: bool, ninf: Any) -> None:
+        nb = min(vocab_size, xi.shape[1])
+        for j in range(dst.shape[0]):
+            mask_row(xi[dst[j]], words[src[j]], nb, mask_tail, ninf)
+
     @numba.njit(nogil=True, cache=True, boundscheck=False)
     def mapped(xi: Any, words: Any, req: Any, pos: Any, cu: Any, vocab_size: int, mask_tail: bool, ninf: Any) -> int:
         # Every check first, so a bad call writes nothing.
@@ -118,9 +117,7 @@ def _compile_mapped(numba: Any) -> Any:
                 return 3
             if r >= 0 and pos[i] < 0:
                 return 4
-        width = xi.shape[1]
-        nb = min(vocab_size, width)
-        whole = nb >> 5
+        nb = min(vocab_size, xi.shape[1])
         for i in range(rows):
             r = req[i]
             if r < 0:
@@ -129,25 +126,10 @@ def _compile_mapped(numba: Any) -> Any:
             if p >= cu[r + 1] - cu[r]:
                 continue  # a trimmed draft's row
             # Rows are applied one after another, so two mask rows for one logits row give their AND.
-            row = xi[cu[r] + p]
-            w = words[i]
-            # Token 32k + b is bit b of word k, read by shifts (no byte order involved).
-            for k in range(whole):
-                word = w[k]
-                base = k * 32
-                for b in range(32):
-                    # All in int32: promoted to int64 the loop does not vectorise (about 25x slower).
-                    keep = np.int32(0) - ((word >> np.int32(b)) & np.int32(1))
-                    row[base + b] = (row[base + b] & keep) | (ninf & ~keep)
-            for c in range(whole * 32, nb):
-                if (np.int32(w[c >> 5]) >> (c & 31)) & 1 == 0:
-                    row[c] = ninf
-            if mask_tail:
-                for c in range(nb, width):
-                    row[c] = ninf
+            mask_row(xi[cu[r] + p], words[i], nb, mask_tail, ninf)
         return 0
 
-    return mapped
+    return rows_kernel, mapped
 
 
 def installed() -> bool:
@@ -201,7 +183,7 @@ def mask_rows(
     words per row; columns from ``vocab_size`` on are set to ``-inf`` when
     ``mask_tail``, else left as they are. Requires :func:`available`.
     """
-    _load()(xi, words.view(np.uint8), src, dst, int(vocab_size), bool(mask_tail), ninf)
+    _load()(xi, words, src, dst, int(vocab_size), bool(mask_tail), ninf)
 
 
 def mask_mapped(
