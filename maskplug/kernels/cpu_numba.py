@@ -66,11 +66,6 @@ def _load() -> Any:
     return _kernel
 
 
-#: What :func:`mask_mapped` returns: the call's arguments were written as asked, or which check failed
-#: (nothing written then).
-MAPPED_OK, MAPPED_BAD_LENGTH, MAPPED_BAD_OFFSETS, MAPPED_BAD_REQUEST, MAPPED_BAD_POSITION = range(5)
-
-
 def _compile(numba: Any) -> tuple[Any, Any]:
     """The two kernels' dispatchers: rows already found live, and the whole apply through a mapping."""
 
@@ -204,7 +199,8 @@ def mask_mapped(
     ``words`` is int32 ``(rows, W)`` with ``32 W >= min(vocab_size, width)``.
     First checks the lengths, the offsets (from 0, non-decreasing, at most
     ``xi``'s rows), requests in ``[-1, n)`` and positions ``>= 0`` for used
-    rows; returns :data:`MAPPED_OK` after masking, or the failed check's code
+    rows; returns 0 after masking, or the failed check's code (1 lengths,
+    2 offsets, 3 requests, 4 positions)
     with nothing written (the caller words the error). Requires :func:`available`.
     """
     _load()
