@@ -27,6 +27,7 @@ skip the per-step view and outcome (it verifies every draft and learns nothing).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -50,6 +51,7 @@ __all__ = [
     "SchedulerSpec",
     "VerifyAllScheduler",
     "accept_emitted",
+    "emitted_acceptor",
     "fill_windows_serially",
     "parse_scheduler_spec",
     "ragged_mapping",
@@ -305,6 +307,21 @@ def accept_emitted(matcher: Matcher, tokens: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def emitted_acceptor(matcher: Matcher) -> Callable[[Sequence[int]], int]:
+    """:func:`accept_emitted` bound to ``matcher``, looked up once.
+
+    For an engine object that holds one request's matcher and advances it
+    every step: the returned callable takes the emitted tokens and returns how
+    many the matcher took, exactly as ``accept_emitted(matcher, tokens)``,
+    with the matcher's type asked only here (for a plain
+    :class:`~maskplug.grammar.sdk.MatcherBase` it is the matcher's own loop,
+    one Python call per step).
+    """
+    if plain_matcher_type(type(matcher)):
+        return cast(MatcherBase, matcher)._accept_run
+    return functools.partial(accept_emitted, matcher)
 
 
 def ragged_mapping(batch_index: Sequence[int], rows: Sequence[int], num_batch: int) -> RowMapping:

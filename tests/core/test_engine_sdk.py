@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any
 
@@ -17,6 +18,7 @@ from maskplug.engines.sdk import (
     GuardedGrammar,
     PatchSet,
     accept_emitted,
+    emitted_acceptor,
     fill_windows_serially,
     ragged_mapping,
     wraps,
@@ -386,22 +388,27 @@ def _by_accept(m: Any, tokens: list[Any]) -> tuple[int, str | None]:
         max_size=7,
     ),
     wrapped=st.booleans(),
+    bound=st.booleans(),
 )
-@example(size=29, tokens=[1, 29], wrapped=False)  # just past the vocabulary: accept()'s error, not a refusal
-@example(size=32, tokens=[1, 0, 5, 2], wrapped=False)  # nothing after the stop token is offered
-def test_accept_emitted_takes_what_accept_takes(size: int, tokens: list[Any], wrapped: bool) -> None:
-    """The same count, end state and errors as a loop over ``accept``; nothing after a stop token is offered."""
+@example(size=29, tokens=[1, 29], wrapped=False, bound=False)  # just past the vocabulary: accept()'s error
+@example(size=32, tokens=[1, 0, 5, 2], wrapped=False, bound=True)  # nothing after the stop token is offered
+def test_accept_emitted_takes_what_accept_takes(size: int, tokens: list[Any], wrapped: bool, bound: bool) -> None:
+    """The same count, end state and errors as a loop over ``accept``; nothing after a stop token is offered.
+
+    ``bound``: through :func:`emitted_acceptor`, the same call looked up once.
+    """
     compiled = _compiled(size)
     ours, theirs = compiled.matcher(), compiled.matcher()
     if wrapped:  # a matcher that is not a MatcherBase: every id through its accept()
         ours = _Wrapped(ours, "", 1)
+    run = emitted_acceptor(ours) if bound else functools.partial(accept_emitted, ours)
     want, err = _by_accept(theirs, tokens)
     if err is not None:
         with pytest.raises(GrammarError) as got:
-            accept_emitted(ours, tokens)
+            run(tokens)
         assert str(got.value) == err
     else:
-        assert accept_emitted(ours, tokens) == want
+        assert run(tokens) == want
     assert ours.is_terminated() == theirs.is_terminated()
     assert ours.num_accepted == theirs.num_accepted
     words = theirs.vocab.mask_words

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from maskplug import GrammarError, PluginError
-from maskplug.engines.sdk import GuardedGrammar, accept_emitted
+from maskplug.engines.sdk import GuardedGrammar, emitted_acceptor
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
@@ -190,6 +190,18 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         self.request_id: str | None = None
         self._request: Callable[[], Any] | None = None
 
+    @property  # type: ignore[override]
+    def matcher(self) -> Matcher:
+        """The request's maskplug matcher (replaceable: the emitted-token loop follows it)."""
+        return self._matcher
+
+    @matcher.setter
+    def matcher(self, matcher: Matcher) -> None:
+        self._matcher = matcher
+        # Looked up once per matcher: accept_tokens runs for every grammar request every step,
+        # between model steps, where each Python call costs microseconds.
+        self._accept_emitted = emitted_acceptor(matcher)
+
     # -- failure -----------------------------------------------------------------
     @property
     def error_text(self) -> str | None:
@@ -242,7 +254,7 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
             m = self.matcher
             try:
                 # Called for every request every step: the SDK's loop skips the per-call id checks.
-                n = accept_emitted(m, tokens)
+                n = self._accept_emitted(tokens)
                 self.num_processed_tokens += n
                 if n < len(tokens) and not m.is_terminated():
                     logger.error("maskplug grammar for request %s refused emitted token %s", request_id, tokens[n])

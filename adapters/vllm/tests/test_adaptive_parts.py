@@ -153,6 +153,63 @@ def test_step_stats_in_a_process_that_does_not_schedule(tmp_path: Path, monkeypa
         adaptive.set_cost_model(CostModel.linear())
 
 
+def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ``maskplug_step_end`` listeners the counters and the metrics file are written in batches.
+
+    At most :data:`adaptive.FOLD_EVERY` steps wait; a step that announces a
+    finished request, an empty step and a read of :func:`step_stats` count
+    everything at once; the totals equal a sum of every step's figures.
+    """
+    ctl = adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear())
+    monkeypatch.setattr(adaptive, "_controller", ctl)
+    ctl.metrics = metrics.StepMetrics(tmp_path, 0, "goodput")
+    rng = np.random.default_rng(3)
+    want = adaptive._new_stats()
+    published = 0
+    for step in range(300):
+        nd = int(rng.integers(0, 9))
+        b = int(rng.integers(0, nd + 1))
+        acc, emitted = int(rng.integers(0, b + 1)), int(rng.integers(1, 9))
+        structured = bool(rng.random() < 0.7)
+        regime = "zero" if b == 0 else "full" if b == nd else "partial"
+        finished = int(rng.random() < 0.05)
+        ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, finished)
+        want["steps"] += 1
+        want["drafts_scheduled"] += nd
+        want["drafts_verified"] += b
+        want["drafts_accepted"] += acc
+        want["tokens_emitted"] += emitted
+        if structured:
+            want["structured_steps"] += 1
+            want["regimes"][regime] += 1
+        assert len(ctl.unfolded) < adaptive.FOLD_EVERY
+        on_file = metrics.read_metrics(tmp_path)["0"]
+        if finished:
+            assert not ctl.unfolded and on_file["steps"] == step + 1 and on_file["budget"] == b
+        assert on_file["steps"] == step + 1 - len(ctl.unfolded)
+        published += on_file["steps"] == step + 1
+        if step == 150:
+            assert {k: v for k, v in adaptive.step_stats().items() if k != "scheduler"} == want
+            assert not ctl.unfolded
+    assert published < 150  # most steps waited
+    # vLLM's empty step after the last request ends: everything is counted and published.
+    so = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=set())
+    sched = SimpleNamespace(vllm_config=None)
+    adaptive._make_schedule(lambda self: so, lambda self, so: None)(sched)
+    assert not ctl.unfolded and ctl.stats == want
+    on_file = metrics.read_metrics(tmp_path)["0"]
+    assert (on_file["steps"], on_file["drafts_accepted"], on_file["regime_partial"]) == (
+        300,
+        want["drafts_accepted"],
+        want["regimes"]["partial"],
+    )
+    ctl._tally(3, 3, 4, 3, True, "full", 1, 1, 0)
+    adaptive.reset_step_stats()
+    assert not ctl.unfolded and adaptive.step_stats()["steps"] == 0
+
+
 def _config(**over: Any) -> SimpleNamespace:
     cfg = {
         "speculative_config": SimpleNamespace(num_speculative_tokens=3, method="ngram"),

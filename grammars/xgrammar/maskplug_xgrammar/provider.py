@@ -250,6 +250,9 @@ class XGrammarMatcher(MatcherBase):
         self.provider = provider
         self.raw = raw
         self.batch_ops = provider.batch_ops
+        # xgrammar's own accept already returns a bool: bound here, every accept of an emitted token
+        # or a draft (an engine's per-step bookkeeping) runs one Python frame less.
+        self._accept = raw.accept_token  # type: ignore[method-assign]
 
     def _accept(self, token: int) -> bool:
         return bool(self.raw.accept_token(token))
