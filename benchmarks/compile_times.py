@@ -7,6 +7,7 @@ seconds, and the wall-clock and server CPU seconds are printed as they come
 
     .venv/bin/python benchmarks/compile_times.py --provider outlines-core --every 30 --first 24
     .venv/bin/python benchmarks/compile_times.py --provider outlines-core --ids BFCL_java_14,BFCL_java_56
+    .venv/bin/python benchmarks/compile_times.py --summary benchmarks/compile_times/outlines-core.jsonl
 
 ``--every N --first M`` takes schemas 0, N, 2N, ... of the sample (the first M
 of them; ``--skip S`` leaves out the first S); ``--ids`` takes the named ones. The vocabulary is tekken's 131k
@@ -52,6 +53,51 @@ def _records(path: Path, every: int, skip: int, first: int | None, ids: list[str
     return picked[skip : first if first is not None else None]
 
 
+def _kind(outcome: str) -> str:
+    """The class of one line's outcome: compiled, refused up front, memory limit, CPU limit, or other."""
+    if outcome == "compiled":
+        return "compiled"
+    if "at its memory limit" in outcome:
+        return "memory limit"
+    if "within its limit" in outcome:
+        return "CPU limit"
+    if "cannot turn this JSON schema" in outcome or "failed to compile" in outcome:
+        return "refused"
+    return "other"
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-th percentile by linear interpolation (numpy's default), of values sorted ascending."""
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(path: Path, data: Path, slowest: int = 10) -> str:
+    """What a ``--out`` file holds: outcomes by class, compile CPU p50/p90/p99/max, the slowest schemas."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_id = {r["id"]: r for r in lines}
+    total = sum(1 for line in data.read_text().splitlines() if line.strip())
+    kinds: dict[str, int] = {}
+    for r in by_id.values():
+        k = _kind(r["outcome"])
+        kinds[k] = kinds.get(k, 0) + 1
+    out = [f"{path}: {len(by_id)} of {total} schemas ({len(lines) - len(by_id)} ids twice)"]
+    out.append("  " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    cpu = sorted(r["cpu_s"] for r in by_id.values() if r["outcome"] == "compiled" and r["cpu_s"] is not None)
+    if cpu:
+        pcts = " / ".join(f"{_percentile(cpu, q):.2f}" for q in (50, 90, 99))
+        out.append(f"  compile CPU s of the {len(cpu)} compiled: p50 / p90 / p99 {pcts}, max {cpu[-1]:.1f}")
+    ranked = sorted(
+        (r for r in by_id.values() if r["cpu_s"] is not None and _kind(r["outcome"]) != "refused"),
+        key=lambda r: -r["cpu_s"],
+    )
+    for r in ranked[:slowest]:
+        out.append(f"  {r['id']:<44} cpu {r['cpu_s']:8.1f} s  {_kind(r['outcome'])}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--provider", default="outlines-core")
@@ -62,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ids", default=None, help="comma-separated schema ids instead")
     p.add_argument("--limit-s", type=float, default=1800.0, help="CPU seconds per compile (default: %(default)s)")
     p.add_argument("--out", type=Path, default=None, help="append a JSON line per schema; skip ids it holds")
+    p.add_argument("--summary", type=Path, default=None, help="print what an --out file holds, compile nothing")
     a = p.parse_args(argv)
+    if a.summary is not None:
+        print(summarize(a.summary, a.data))
+        return 0
     if a.every < 1:
         p.error(f"--every: expected an int >= 1, got {a.every}")
     recs = _records(a.data, a.every, a.skip, a.first, a.ids.split(",") if a.ids else None)
