@@ -649,9 +649,10 @@ class _Controller:
 
         Without ``maskplug_step_end`` listeners the step's figures are only
         appended to :attr:`unfolded`; :meth:`fold` adds them to the counters
-        and the metrics file every :data:`FOLD_EVERY` steps, on the step that
-        follows a request's end, when the engine runs an empty step and
-        whenever the counters are read (:func:`step_stats`). Counting each step
+        and the metrics file every :data:`FOLD_EVERY` steps, at the end of a
+        step in which a request finished (before its output leaves the
+        engine core), when the engine runs an empty step and whenever the
+        counters are read (:func:`step_stats`). Counting each step
         on its own (the lock, seven counters, the metrics file) cost about
         10 µs of host time per step at one request in the engine, where the
         code runs cold between model steps; in a batch it costs a fraction.
@@ -659,7 +660,7 @@ class _Controller:
         unfolded = self.unfolded
         unfolded.append((scheduled, budget, num_emitted, num_accepted, structured, regime))
         if not get_registry().step_end_listened():
-            if num_finished or len(unfolded) >= FOLD_EVERY:
+            if len(unfolded) >= FOLD_EVERY:
                 self.fold()
             return
         step = self.fold()  # every step so far counted, so the record carries its own step number
@@ -777,7 +778,8 @@ _MAX_PENDING = 16
 
 #: The most steps :meth:`_Controller._tally` keeps before adding them to the counters and the metrics
 #: file (Prometheus and :func:`step_stats` in other processes lag the engine by at most this many
-#: steps while requests run; an engine that falls idle has counted everything).
+#: steps while requests run; every step up to a request's end is counted before its output leaves
+#: the engine core, and an engine that falls idle has counted everything).
 FOLD_EVERY = 16
 
 
@@ -882,7 +884,12 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
                     go = entry[1]
                     gids = go.structured_output_request_ids if go is not None else ()
                 ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
-        return orig(self, scheduler_output, model_runner_output)
+        out = orig(self, scheduler_output, model_runner_output)
+        if ctl is not None and ctl.unfolded and getattr(self, "finished_req_ids", True):
+            # A request ended in this step: its steps are counted before its output leaves the
+            # engine core (a client that reads the metrics after its answer sees them).
+            ctl.fold()
+        return out
 
     return wraps(orig)(update_from_output)
 

@@ -158,8 +158,8 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
 ) -> None:
     """Without ``maskplug_step_end`` listeners the counters and the metrics file are written in batches.
 
-    At most :data:`adaptive.FOLD_EVERY` steps wait; a step that announces a
-    finished request, an empty step and a read of :func:`step_stats` count
+    At most :data:`adaptive.FOLD_EVERY` steps wait; the end of a step in which
+    a request finished, an empty step and a read of :func:`step_stats` count
     everything at once; the totals equal a sum of every step's figures.
     """
     ctl = adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear())
@@ -167,6 +167,10 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     ctl.metrics = metrics.StepMetrics(tmp_path, 0, "goodput")
     rng = np.random.default_rng(3)
     want = adaptive._new_stats()
+    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set())
+    # vLLM's update_from_output, wrapped: a step maskplug holds no plan for and that ran nothing.
+    so_step = SimpleNamespace(total_num_scheduled_tokens=0)
+    update = adaptive._make_update_from_output(lambda self, so, out: None)
     published = 0
     for step in range(300):
         nd = int(rng.integers(0, 9))
@@ -174,8 +178,11 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
         acc, emitted = int(rng.integers(0, b + 1)), int(rng.integers(1, 9))
         structured = bool(rng.random() < 0.7)
         regime = "zero" if b == 0 else "full" if b == nd else "partial"
-        finished = int(rng.random() < 0.05)
-        ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, finished)
+        finished = rng.random() < 0.05
+        # The step's outcome, counted where vLLM's update_from_output runs (an unplanned verify-all step).
+        sched.finished_req_ids = {"done"} if finished else set()
+        ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, 0)
+        update(sched, so_step, None)
         want["steps"] += 1
         want["drafts_scheduled"] += nd
         want["drafts_verified"] += b
@@ -196,7 +203,6 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     assert published < 150  # most steps waited
     # vLLM's empty step after the last request ends: everything is counted and published.
     so = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=set())
-    sched = SimpleNamespace(vllm_config=None)
     adaptive._make_schedule(lambda self: so, lambda self, so: None)(sched)
     assert not ctl.unfolded and ctl.stats == want
     on_file = metrics.read_metrics(tmp_path)["0"]
