@@ -653,9 +653,10 @@ class _Controller:
         step in which a request finished (before its output leaves the
         engine core), when the engine runs an empty step and whenever the
         counters are read (:func:`step_stats`). Counting each step
-        on its own (the lock, seven counters, the metrics file) cost about
-        10 µs of host time per step at one request in the engine, where the
-        code runs cold between model steps; in a batch it costs a fraction.
+        on its own (the lock, seven counters, the metrics file) cost 4–5 µs
+        more per step at one request in the engine (``benchmarks/RESULTS.md``),
+        where the code runs cold between model steps; in a batch it costs a
+        fraction.
         """
         unfolded = self.unfolded
         unfolded.append((scheduled, budget, num_emitted, num_accepted, structured, regime))
