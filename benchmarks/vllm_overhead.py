@@ -39,7 +39,10 @@ costs repeated in a loop (``benchmarks/vllm_rows.py``, ``cpu_apply.py``).
 ``--restart N`` starts fresh engine processes every N rounds: one engine
 process can run the same work about 30% slower than another for its whole
 life (seen here with no maskplug code running at all), so the medians
-should span several processes per engine. ``--json`` writes every figure.
+should span several processes per engine. With more than one profiled
+round, ``host`` is also given as the median of each round's difference to
+``vllm`` (profiled rounds restart engines too): for the host work at one
+request, ``--rounds 0 --profile 8 --restart 2``. ``--json`` writes every figure.
 """
 
 from __future__ import annotations
@@ -300,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for e in engines.values():
                 e.close()
-    timed = [r for r in rows if not r["profile"]]
+    # With --rounds 0 the profiled rounds give the rates too (the timers themselves cost a little).
+    timed = [r for r in rows if not r["profile"]] or rows
     ratios = _ratio_table(timed, modes, conc, rate)
     clock = "engine process CPU time" if args.clock == "cpu" else "wall-clock time"
-    print(f"\noutput tokens per second of {clock}: median over {args.rounds} interleaved rounds")
+    kind = "interleaved" if args.rounds else "profiled"
+    print(f"\noutput tokens per second of {clock}: median over {len({r['round'] for r in timed})} {kind} rounds")
     print(f"{'engine':<12}" + "".join(f"{'c=' + str(c):>26}" for c in conc))
     summary: dict[str, Any] = {}
     for m in modes:
@@ -341,12 +346,42 @@ def main(argv: list[str] | None = None) -> int:
                     f"{per[n]:8.1f}" if n == "host" or any(n in r["timers_ns"] for r in prs) else "-" for n in names
                 ]
                 print(f"{m:<12}{c:>4}" + "".join(f"{x:>20}" for x in cells))
+        # The sums above pool the profiled rounds; one engine process can run slower than another for its
+        # whole life, so with several profiled rounds (and restarts) the per-round differences say more.
+        rounds = sorted({r["round"] for r in profiled})
+        if len(rounds) > 1:
+            print(f"\nhost per model step, median of per-round differences to {modes[0]} (min-max), CPU µs")
+            for m in modes[1:]:
+                cells = []
+                for c in conc:
+                    diffs = [
+                        _host(pr) - _host(base)
+                        for rnd in rounds
+                        for pr in profiled
+                        if pr["mode"] == m and pr["c"] == c and pr["round"] == rnd
+                        for base in profiled
+                        if base["mode"] == modes[0] and base["c"] == c and base["round"] == rnd
+                    ]
+                    if diffs:
+                        med = statistics.median(diffs)
+                        cells.append(
+                            f"c={c}: {med:+7.1f} ({min(diffs):+.1f} to {max(diffs):+.1f}, {len(diffs)} rounds)"
+                        )
+                print(f"{m:<12}  " + "   ".join(cells))
     loads = [x for r in rows for x in (r["load_before"], r["load_after"])]
     print(f"\nload average (1 min) around the runs: {min(loads):.1f} to {max(loads):.1f}")
     print("identical tokens in every round: " + ("yes" if not mismatches else "NO: " + "; ".join(mismatches)))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary, "mismatches": mismatches}, indent=1))
     return 1 if mismatches else 0
+
+
+def _host(r: dict[str, Any]) -> float:
+    """One profiled round's host work per model step, CPU µs (as in the table: rows inside ``schedule`` once)."""
+    t = r["timers_ns"]
+    ns = t.get("schedule", 0) + t.get("update_from_output", 0) + t.get("apply", 0) + t.get("rows", 0)
+    ns -= t.get("rows in schedule", 0)
+    return float(ns) / 1e3 / max(1, r["model_steps"])
 
 
 if __name__ == "__main__":
