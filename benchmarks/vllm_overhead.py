@@ -41,8 +41,8 @@ process can run the same work about 30% slower than another for its whole
 life (seen here with no maskplug code running at all), so the medians
 should span several processes per engine. With more than one profiled
 round, ``host`` is also given as the median of each round's difference to
-``vllm`` (profiled rounds restart engines too): for the host work at one
-request, ``--rounds 0 --profile 8 --restart 2``. ``--json`` writes every figure.
+``vllm`` (profiled rounds restart engines too; ``--rounds 0`` runs only
+profiled rounds and takes the rates from them). ``--json`` writes every figure.
 """
 
 from __future__ import annotations
