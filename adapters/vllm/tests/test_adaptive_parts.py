@@ -153,6 +153,20 @@ def test_step_stats_in_a_process_that_does_not_schedule(tmp_path: Path, monkeypa
         adaptive.set_cost_model(CostModel.linear())
 
 
+def _sums(steps: list[tuple[int, int, int, int, bool, str]]) -> dict[str, Any]:
+    """The counters of :func:`adaptive.step_stats` for these steps (scheduled, verified, accepted, emitted, ...)."""
+    structured = [regime for *_, s, regime in steps if s]
+    return {
+        "steps": len(steps),
+        "regimes": {r: structured.count(r) for r in ("full", "partial", "zero")},
+        "drafts_scheduled": sum(x[0] for x in steps),
+        "drafts_verified": sum(x[1] for x in steps),
+        "drafts_accepted": sum(x[2] for x in steps),
+        "tokens_emitted": sum(x[3] for x in steps),
+        "structured_steps": len(structured),
+    }
+
+
 def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,7 +180,7 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     monkeypatch.setattr(adaptive, "_controller", ctl)
     ctl.metrics = metrics.StepMetrics(tmp_path, 0, "goodput")
     rng = np.random.default_rng(3)
-    want = adaptive._new_stats()
+    seen: list[tuple[int, int, int, int, bool, str]] = []
     sched = SimpleNamespace(vllm_config=None, finished_req_ids=set())
     # vLLM's update_from_output, wrapped: a step maskplug holds no plan for and that ran nothing.
     so_step = SimpleNamespace(total_num_scheduled_tokens=0)
@@ -183,14 +197,7 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
         sched.finished_req_ids = {"done"} if finished else set()
         ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, 0)
         update(sched, so_step, None)
-        want["steps"] += 1
-        want["drafts_scheduled"] += nd
-        want["drafts_verified"] += b
-        want["drafts_accepted"] += acc
-        want["tokens_emitted"] += emitted
-        if structured:
-            want["structured_steps"] += 1
-            want["regimes"][regime] += 1
+        seen.append((nd, b, acc, emitted, structured, regime))
         assert len(ctl.unfolded) < adaptive.FOLD_EVERY
         on_file = metrics.read_metrics(tmp_path)["0"]
         if finished:
@@ -198,12 +205,13 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
         assert on_file["steps"] == step + 1 - len(ctl.unfolded)
         published += on_file["steps"] == step + 1
         if step == 150:
-            assert {k: v for k, v in adaptive.step_stats().items() if k != "scheduler"} == want
+            assert {k: v for k, v in adaptive.step_stats().items() if k != "scheduler"} == _sums(seen)
             assert not ctl.unfolded
     assert published < 150  # most steps waited
     # vLLM's empty step after the last request ends: everything is counted and published.
     so = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=set())
     adaptive._make_schedule(lambda self: so, lambda self, so: None)(sched)
+    want = _sums(seen)
     assert not ctl.unfolded and ctl.stats == want
     on_file = metrics.read_metrics(tmp_path)["0"]
     assert (on_file["steps"], on_file["drafts_accepted"], on_file["regime_partial"]) == (
