@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from maskplug import GrammarSpec, grammar_provider
 from maskplug.grammar.vocabs import mistral_tekken
 
@@ -66,14 +68,6 @@ def _kind(outcome: str) -> str:
     return "other"
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
-    """The ``q``-th percentile by linear interpolation (numpy's default), of values sorted ascending."""
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 def summarize(path: Path, data: Path, slowest: int = 10) -> str:
     """What a ``--out`` file holds: outcomes by class, compile CPU p50/p90/p99/max, the slowest schemas."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -87,7 +81,8 @@ def summarize(path: Path, data: Path, slowest: int = 10) -> str:
     out.append("  " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])))
     cpu = sorted(r["cpu_s"] for r in by_id.values() if r["outcome"] == "compiled" and r["cpu_s"] is not None)
     if cpu:
-        pcts = " / ".join(f"{_percentile(cpu, q):.2f}" for q in (50, 90, 99))
+        # numpy's percentile, as maskplug conformance reports them.
+        pcts = " / ".join(f"{float(np.percentile(cpu, q)):.2f}" for q in (50, 90, 99))
         out.append(f"  compile CPU s of the {len(cpu)} compiled: p50 / p90 / p99 {pcts}, max {cpu[-1]:.1f}")
     ranked = sorted(
         (r for r in by_id.values() if r["cpu_s"] is not None and _kind(r["outcome"]) != "refused"),

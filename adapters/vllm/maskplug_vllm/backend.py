@@ -189,18 +189,10 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         self.error: GrammarError | None = None
         self.request_id: str | None = None
         self._request: Callable[[], Any] | None = None
-
-    @property  # type: ignore[override]
-    def matcher(self) -> Matcher:
-        """The request's maskplug matcher (replaceable: the emitted-token loop follows it)."""
-        return self._matcher
-
-    @matcher.setter
-    def matcher(self, matcher: Matcher) -> None:
-        self._matcher = matcher
-        # Looked up once per matcher: accept_tokens runs for every grammar request every step,
-        # between model steps, where each Python call costs microseconds.
-        self._accept_emitted = emitted_acceptor(matcher)
+        # The emitted-token loop, looked up once per matcher (accept_tokens runs for every grammar
+        # request every step, between model steps, where each Python call costs microseconds); kept
+        # with the matcher it serves, so a replaced ``matcher`` gets its own.
+        self._acceptor: tuple[Matcher, Callable[[Sequence[int]], int]] = (matcher, emitted_acceptor(matcher))
 
     # -- failure -----------------------------------------------------------------
     @property
@@ -254,7 +246,10 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
             m = self.matcher
             try:
                 # Called for every request every step: the SDK's loop skips the per-call id checks.
-                n = self._accept_emitted(tokens)
+                acceptor = self._acceptor
+                if acceptor[0] is not m:
+                    acceptor = self._acceptor = (m, emitted_acceptor(m))
+                n = acceptor[1](tokens)
                 self.num_processed_tokens += n
                 if n < len(tokens) and not m.is_terminated():
                     logger.error("maskplug grammar for request %s refused emitted token %s", request_id, tokens[n])

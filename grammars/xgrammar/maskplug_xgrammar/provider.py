@@ -255,6 +255,7 @@ class XGrammarMatcher(MatcherBase):
         self._accept = raw.accept_token  # type: ignore[method-assign]
 
     def _accept(self, token: int) -> bool:
+        # What each instance binds in __init__ (the same call); kept for calls through the class.
         return bool(self.raw.accept_token(token))
 
     def _rollback(self, n: int) -> None:
