@@ -108,3 +108,50 @@ def test_bad_specs() -> None:
         with pytest.raises(GrammarError, match=reason):
             p.compile(spec)
         assert spec not in p.cache  # type: ignore[attr-defined]
+
+
+# -- the compile worker's round trip -------------------------------------------------------------------------------
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a"]}
+_WARNS = {"type": "object", "properties": {"e": {"type": "string", "format": "email", "minLength": 3}}}
+
+
+def test_the_worker_sends_a_grammar_only_when_its_transfer_costs_more_than_compiling_again() -> None:
+    import math
+
+    from maskplug_xgrammar.provider import worker_compiler
+
+    v = vocab("spm")
+    spec = GrammarSpec("json_schema", _SCHEMA)
+    again = worker_compiler(v, 1, 0.0)
+    assert again(spec) == (None, [])
+    sent, warns = worker_compiler(v, 1, math.inf)(spec)
+    assert isinstance(sent, str) and warns == []
+    # A compile that warns is always sent: compiled again in the caller, its warnings would reach the console.
+    ser, warns = again(GrammarSpec("json_schema", _WARNS))
+    assert isinstance(ser, str) and any("minLength" in w for w in warns)
+
+
+def test_a_grammar_compiled_again_is_the_in_process_grammar(capfd: pytest.CaptureFixture[str]) -> None:
+    """At the default options the compile is quicker than the transfer: the caller compiles again, quietly."""
+    v = vocab("tekken")
+    worker = XGrammarProvider(v)  # the default limit: compiles in the worker
+    here = XGrammarProvider(v, compile_limit_s=None)
+    worker.worker.start()
+    spec = GrammarSpec("json_schema", _SCHEMA)
+    capfd.readouterr()
+    g = worker.compile(spec)
+    assert worker._compiled_again == 1
+    assert g.raw.serialize_json() == here.compile(spec).raw.serialize_json()
+    assert capfd.readouterr() == ("", "")
+    # Bit for bit the same rows along a document.
+    bm_a, bm_b = v.new_bitmask(1), v.new_bitmask(1)
+    ma, mb = g.matcher(), here.compile(spec).matcher()
+    for t in [*v.encode('{"a": 12, "b": "x y"}'), v.eos_ids[0]]:
+        ma.fill(bm_a, 0)
+        mb.fill(bm_b, 0)
+        assert torch.equal(bm_a, bm_b)
+        assert ma.accept(t) and mb.accept(t)
+    # One that warns comes back from the worker, its warnings with it.
+    w = worker.compile(GrammarSpec("json_schema", _WARNS))
+    assert worker._compiled_again == 1 and any("minLength" in x for x in w.warnings)
+    worker.worker.close()

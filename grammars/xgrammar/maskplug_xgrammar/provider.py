@@ -44,8 +44,10 @@ Compile limits: with a ``compile_limit_s`` (the default
 :data:`XGRAMMAR_COMPILE_LIMIT_S`, in CPU seconds), compiles run in a
 worker process (:class:`maskplug.grammar.sdk.CompileWorker`) that is killed
 at the limit; the compiled grammar comes back serialized
-(``CompiledGrammar.serialize_json``). ``compile_limit_s=None`` compiles in the
-calling process with no limit.
+(``CompiledGrammar.serialize_json``), unless compiling it again in the
+calling process is quicker than that round trip (:data:`TRANSFER_BYTES_PER_S`):
+then the worker only vouches that the compile ends within the limit.
+``compile_limit_s=None`` compiles in the calling process with no limit.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import re
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -79,6 +82,7 @@ from maskplug.grammar.sdk import (
 
 __all__ = [
     "KINDS",
+    "TRANSFER_BYTES_PER_S",
     "XGRAMMAR_COMPILE_LIMIT_S",
     "XGrammarBatchOps",
     "XGrammarCompiled",
@@ -143,8 +147,13 @@ def engine_warnings(lines: Sequence[str]) -> list[str]:
     return out
 
 
-def compile_raw(compiler: Any, spec: GrammarSpec) -> tuple[Any, list[str]]:
-    """Compile ``spec`` with xgrammar's ``compiler``; return the compiled grammar and xgrammar's warnings."""
+def compile_raw(compiler: Any, spec: GrammarSpec, capture: bool = True) -> tuple[Any, list[str]]:
+    """Compile ``spec`` with xgrammar's ``compiler``; return the compiled grammar and xgrammar's warnings.
+
+    ``capture=False`` leaves the process's stderr alone (and returns no warnings): for a compile
+    already seen to print nothing (the compile worker's, :func:`worker_compiler`), so that other
+    threads' output is never swallowed while it runs.
+    """
     compile_fn: Callable[[], Any]
     kind, src = spec.kind, spec.source
     # max_whitespace=0 allows no whitespace: the compact grammar.
@@ -177,8 +186,12 @@ def compile_raw(compiler: Any, spec: GrammarSpec) -> tuple[Any, list[str]]:
         }
         method, rtext = methods[kind], src
         compile_fn = lambda: method(rtext)  # noqa: E731
+    lines: list[str] = []
     try:
-        with capture_stderr() as lines:
+        if capture:
+            with capture_stderr() as lines:
+                raw = compile_fn()
+        else:
             raw = compile_fn()
     except GrammarError:
         raise
@@ -198,12 +211,34 @@ def _tokenizer_info(vocab: Vocab) -> Any:
     )
 
 
-def worker_compiler(vocab: Vocab, max_threads: int) -> Callable[[GrammarSpec], tuple[str, list[str]]]:
-    """The compile function of a compile worker process: spec -> (serialized grammar, warnings)."""
+TRANSFER_BYTES_PER_S = 30e6
+"""How fast a compiled grammar travels back from the compile worker, in bytes of its
+``memory_size_bytes`` per second: serialized to JSON there, parsed again here. Measured over the
+44 schemas of maskplug's JSONSchemaBench subset with tekken's 131k tokens (2-core machine): a median of
+26 MB/s and at most 30 at maskplug's default options, the transfer 12.9 s in all against 1.9 s for the
+compiles themselves, since the default whitespace bound makes the grammars about 20 times larger
+(``benchmarks/xgrammar_transfer.py`` measures it). The worker sends a grammar only
+when its compile took longer than the transfer would at this rate; otherwise the caller compiles it
+again (the compile is deterministic and has just been seen to end well within the limit)."""
+
+
+def worker_compiler(
+    vocab: Vocab, max_threads: int, bytes_per_s: float = TRANSFER_BYTES_PER_S
+) -> Callable[[GrammarSpec], tuple[str | None, list[str]]]:
+    """The compile function of a compile worker process: spec -> (serialized grammar, warnings).
+
+    The grammar is None when compiling it again in the caller is quicker than its transfer
+    (:data:`TRANSFER_BYTES_PER_S`; ``bytes_per_s=math.inf`` always sends it, ``0`` only one whose compile warned).
+    """
     compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads, cache_enabled=False)
 
-    def run(spec: GrammarSpec) -> tuple[str, list[str]]:
+    def run(spec: GrammarSpec) -> tuple[str | None, list[str]]:
+        began = time.perf_counter()
         raw, warns = compile_raw(compiler, spec)
+        took = time.perf_counter() - began
+        # A compile that warned is sent: compiled again in the caller, its warnings would reach the console.
+        if not warns and took * bytes_per_s < raw.memory_size_bytes:
+            return None, warns
         return str(raw.serialize_json()), warns
 
     return run
@@ -428,6 +463,9 @@ class XGrammarProvider(ProviderBase[XGrammarGrammar]):
         # xgrammar's own cache would answer a repeated compile without its warnings; maskplug caches instead.
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=False)
         self.batch_ops = XGrammarBatchOps(vocab, threads)
+        #: Grammars the worker compiled within the limit and this process compiled again (see
+        #: :data:`TRANSFER_BYTES_PER_S`).
+        self._compiled_again = 0
         self._use_worker(compile_limit_s, worker_compiler, vocab.with_encoder(None), threads)
 
     def _compile(self, spec: GrammarSpec) -> XGrammarGrammar:
@@ -436,7 +474,12 @@ class XGrammarProvider(ProviderBase[XGrammarGrammar]):
             raw, warns = compile_raw(self.compiler, spec)
         else:
             ser, warns = self._run_in_worker(spec, limit)
-            raw = xgr.CompiledGrammar.deserialize_json(ser, self.tokenizer_info)
+            if ser is None:
+                # Quicker to compile again than to receive (worker_compiler): the same compiler settings.
+                raw, _ = compile_raw(self.compiler, spec, capture=False)
+                self._compiled_again += 1
+            else:
+                raw = xgr.CompiledGrammar.deserialize_json(ser, self.tokenizer_info)
         for w in warns:
             logger.warning("xgrammar: %s (%s spec)", w, spec.kind)
         if warns and spec.unsupported == "refuse":
