@@ -147,12 +147,14 @@ def engine_warnings(lines: Sequence[str]) -> list[str]:
     return out
 
 
-def compile_raw(compiler: Any, spec: GrammarSpec, capture: bool = True) -> tuple[Any, list[str]]:
+def compile_raw(
+    compiler: Any, spec: GrammarSpec, capture: bool = True, printed: list[str] | None = None
+) -> tuple[Any, list[str]]:
     """Compile ``spec`` with xgrammar's ``compiler``; return the compiled grammar and xgrammar's warnings.
 
     ``capture=False`` leaves the process's stderr alone (and returns no warnings): for a compile
     already seen to print nothing (the compile worker's, :func:`worker_compiler`), so that other
-    threads' output is never swallowed while it runs.
+    threads' output is never swallowed while it runs. ``printed`` receives every captured line.
     """
     compile_fn: Callable[[], Any]
     kind, src = spec.kind, spec.source
@@ -200,6 +202,8 @@ def compile_raw(compiler: Any, spec: GrammarSpec, capture: bool = True) -> tuple
         # Drop xgrammar's "[hh:mm:ss] /path/file.cc:123:" prefix; keep the reason.
         reason = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", msgs[-1]) if msgs else type(exc).__name__
         raise GrammarError(f"spec.source: xgrammar could not compile this {kind} spec: {reason}") from exc
+    if printed is not None:
+        printed.extend(lines)
     return raw, engine_warnings(lines)
 
 
@@ -228,16 +232,18 @@ def worker_compiler(
     """The compile function of a compile worker process: spec -> (serialized grammar, warnings).
 
     The grammar is None when compiling it again in the caller is quicker than its transfer
-    (:data:`TRANSFER_BYTES_PER_S`; ``bytes_per_s=math.inf`` always sends it, ``0`` only one whose compile warned).
+    (:data:`TRANSFER_BYTES_PER_S`; ``bytes_per_s=math.inf`` always sends it, ``0`` only one whose compile printed something).
     """
     compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads, cache_enabled=False)
 
     def run(spec: GrammarSpec) -> tuple[str | None, list[str]]:
+        printed: list[str] = []
         began = time.perf_counter()
-        raw, warns = compile_raw(compiler, spec)
+        raw, warns = compile_raw(compiler, spec, printed=printed)
         took = time.perf_counter() - began
-        # A compile that warned is sent: compiled again in the caller, its warnings would reach the console.
-        if not warns and took * bytes_per_s < raw.memory_size_bytes:
+        # A compile that printed anything (a warning) is sent: compiled again in the caller, what it
+        # prints would reach the console.
+        if not printed and took * bytes_per_s < raw.memory_size_bytes:
             return None, warns
         return str(raw.serialize_json()), warns
 
