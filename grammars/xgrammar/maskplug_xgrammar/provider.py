@@ -28,7 +28,11 @@ Options of :class:`~maskplug.grammar.GrammarSpec` (JSON kinds):
 * ``max_whitespace=N`` is ``max_whitespace_cnt=N`` (None: no bound, xgrammar's
   and vLLM's default; ``0``: the compact grammar); ``json_object`` with a bound
   is compiled as the schema ``{"type": "object"}`` (xgrammar's builtin JSON
-  grammar takes no whitespace options);
+  grammar takes no whitespace options). xgrammar keeps a token-mask cache for
+  each position of each bounded run, so a grammar's memory grows with the
+  bound: about 7 MiB per schema of maskplug's JSONSchemaBench subset over
+  tekken's 131k tokens at the default 24, 0.2 MiB unbounded
+  (``benchmarks/RESULTS.md``);
 * ``strict_keys`` is xgrammar's ``strict_mode`` (True is its default and what
   vLLM passes: no unlisted object keys or array items unless the schema says
   so);
