@@ -224,10 +224,10 @@ TRANSFER_BYTES_PER_S = 30e6
 ``memory_size_bytes`` per second: serialized to JSON there, parsed again here. Measured over the
 44 schemas of maskplug's JSONSchemaBench subset with tekken's 131k tokens (2-core machine): a median of
 26 MB/s and at most 30 at maskplug's default options, the transfer 12.9 s in all against 1.9 s for the
-compiles themselves, since the default whitespace bound makes the grammars about 20 times larger
+compiles themselves, since the default whitespace bound makes the grammars about 30 times larger
 (``benchmarks/xgrammar_transfer.py`` measures it). The worker sends a grammar only
 when its compile took longer than the transfer would at this rate; otherwise the caller compiles it
-again (the compile is deterministic and has just been seen to end well within the limit)."""
+again (the compile is deterministic and has just been seen to end within the limit)."""
 
 
 def worker_compiler(
@@ -236,7 +236,8 @@ def worker_compiler(
     """The compile function of a compile worker process: spec -> (serialized grammar, warnings).
 
     The grammar is None when compiling it again in the caller is quicker than its transfer
-    (:data:`TRANSFER_BYTES_PER_S`; ``bytes_per_s=math.inf`` always sends it, ``0`` only one whose compile printed something).
+    (:data:`TRANSFER_BYTES_PER_S`; ``bytes_per_s=math.inf`` always sends it, ``0`` only one whose
+    compile printed something).
     """
     compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=max_threads, cache_enabled=False)
 
