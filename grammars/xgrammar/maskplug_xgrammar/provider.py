@@ -223,7 +223,7 @@ TRANSFER_BYTES_PER_S = 30e6
 """How fast a compiled grammar travels back from the compile worker, in bytes of its
 ``memory_size_bytes`` per second: serialized to JSON there, parsed again here. Measured over the
 44 schemas of maskplug's JSONSchemaBench subset with tekken's 131k tokens (2-core machine): a median of
-26 MB/s and at most 30 at maskplug's default options, the transfer 12.9 s in all against 1.9 s for the
+23–27 MB/s at maskplug's default options over two runs, the transfer 12.9 s in all against 1.9 s for the
 compiles themselves, since the default whitespace bound makes the grammars about 30 times larger
 (``benchmarks/xgrammar_transfer.py`` measures it). The worker sends a grammar only
 when its compile took more CPU time than the transfer would take at this rate; otherwise the caller
