@@ -32,9 +32,9 @@ import time
 
 import xgrammar as xgr
 from maskplug_xgrammar import XGrammarProvider
-from maskplug_xgrammar.provider import TRANSFER_BYTES_PER_S, worker_compiler
+from maskplug_xgrammar.provider import TRANSFER_BYTES_PER_S, compile_raw, worker_compiler
 
-from maskplug import GrammarError, GrammarSpec
+from maskplug import GrammarError, GrammarSpec, Vocab
 from maskplug.conformance import SUBSET_PATH, load_cases
 from maskplug.grammar.sdk import CompileWorker
 from maskplug.grammar.vocabs import mistral_sentencepiece, mistral_tekken
@@ -49,8 +49,6 @@ OPTIONS: dict[str, dict[str, object]] = {
 
 def in_process(provider: XGrammarProvider, specs: list[GrammarSpec]) -> dict[str, float]:
     compiler = xgr.GrammarCompiler(provider.tokenizer_info, max_threads=2, cache_enabled=False)
-    from maskplug_xgrammar.provider import compile_raw
-
     comp = trip = size = 0.0
     rates = []
     for spec in specs:
@@ -66,7 +64,7 @@ def in_process(provider: XGrammarProvider, specs: list[GrammarSpec]) -> dict[str
     return {"compile": comp, "trip": trip, "mib": size / 2**20, "rate_med": statistics.median(rates) / 1e6}
 
 
-def through_worker(vocab, specs: list[GrammarSpec], bytes_per_s: float) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+def through_worker(vocab: Vocab, specs: list[GrammarSpec], bytes_per_s: float) -> tuple[float, int]:
     p = XGrammarProvider(vocab, max_threads=2)
     p.worker = CompileWorker(p.name, worker_compiler, (vocab.with_encoder(None), 2, bytes_per_s))
     p.worker.start()  # start-up is not a compile's time
