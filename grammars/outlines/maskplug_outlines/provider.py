@@ -156,9 +156,9 @@ median 2.3 s, p90 91 s, p99 534 s, the slowest 1,317 s (Github_hard o57801; next
 BFCL_java_56 757 s, which hold the empty schema ``{}``, any JSON value, whose regex is large); 82 are
 refused up front (a keyword or format the regex builder lacks, or a regex it cannot build); 28 passed the
 memory limit (half the machine's memory, 12 GB there); and 3 (JsonSchemaStore markdownlint, jx-requirements,
-cypress) were still building when this limit stopped them. Given 7200 s instead, markdownlint passed the
-memory limit after 2,569 CPU s (``benchmarks/compile_times/outlines-core-7200.jsonl``): it does not
-compile on that machine under any CPU limit, and this one stopped it 770 CPU s sooner. So the default
+cypress) were still building when this limit stopped them. Given 7200 s instead, markdownlint and cypress
+passed the memory limit after 2,569 and 3,588 CPU s (``benchmarks/compile_times/outlines-core-7200.jsonl``):
+they do not compile on that machine under any CPU limit, and this one stops them sooner. So the default
 stops about one schema in three hundred, each still building after half an hour; ``auto`` tries llguidance first, which
 compiles every one of those stopped by either limit in a second or two. A server that takes arbitrary
 schemas may want a lower one (``compile_limit_s=``); past :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`
