@@ -27,8 +27,9 @@ engines generated identical tokens (a digest of every request's token ids).
 With ``--profile`` a last set of rounds times the engine's patched
 functions with ``time.thread_time_ns`` (CPU time of the calling thread)
 around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
-the structured-output manager's ``grammar_bitmask`` (the mask rows), the
-model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
+the structured-output manager's ``grammar_bitmask`` (the mask rows), each
+grammar's ``accept_tokens`` (``accept``: the emitted tokens reaching the
+grammars, inside ``update_from_output``), the model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
 planning and outcome (``_Controller.plan`` / ``finish`` or ``finish_all``), per step that ran
 the model (engine steps that only wait differ in number between engines),
 and ``host``: their sum besides the forward pass (schedule, update, apply,
@@ -128,6 +129,14 @@ def _install_timers() -> _Timers:
     t.wrap(StructuredOutputManager, "grammar_bitmask", "rows")
     t.wrap(runner_mod, "apply_grammar_bitmask", "apply")
     t.wrap(runner_mod.GPUModelRunner, "execute_model", "execute_model")
+    # The emitted tokens reaching each request's grammar (inside update_from_output).
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    t.wrap(XgrammarGrammar, "accept_tokens", "accept")
+    if os.environ.get("MASKPLUG_VLLM"):
+        from maskplug_vllm.backend import MaskplugGrammar
+
+        t.wrap(MaskplugGrammar, "accept_tokens", "accept")
     if os.environ.get("MASKPLUG_VLLM_SCHEDULER"):
         from maskplug_vllm import adaptive
 
@@ -331,7 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         # Per step that ran the model (the same count in every engine: the tokens are identical); engine
         # steps that only wait differ in number between engines, and would dilute the busier one's figures.
         print("\nper model step, CPU µs of the calling thread (profiled rounds)")
-        names = ["schedule", "rows", "plan", "update_from_output", "outcome", "execute_model", "apply", "host"]
+        names = [
+            "schedule",
+            "rows",
+            "plan",
+            "update_from_output",
+            "accept",
+            "outcome",
+            "execute_model",
+            "apply",
+            "host",
+        ]
         print(f"{'engine':<12}{'c':>4}" + "".join(f"{n:>20}" for n in names))
         for m in modes:
             for c in conc:
