@@ -40,8 +40,9 @@ def test_each_provider_has_its_default_limit() -> None:
     assert XGrammarProvider(v).compile_limit_s == XGRAMMAR_COMPILE_LIMIT_S
     assert OutlinesProvider(v).compile_limit_s == OUTLINES_COMPILE_LIMIT_S
     assert DEFAULT_COMPILE_LIMIT_S < XGRAMMAR_COMPILE_LIMIT_S < OUTLINES_COMPILE_LIMIT_S
-    # Above the slowest real schema measured to finish with each (benchmarks/RESULTS.md), with margin.
-    assert XGRAMMAR_COMPILE_LIMIT_S >= 2 * 98.0 and OUTLINES_COMPILE_LIMIT_S >= 2 * 827.0
+    # Above the slowest real schema measured to finish with each (benchmarks/RESULTS.md), with margin:
+    # xgrammar's next-slowest 98 s (its slowest 177-305 s), outlines-core's jx-requirements 3,325 CPU s.
+    assert XGRAMMAR_COMPILE_LIMIT_S >= 2 * 98.0 and OUTLINES_COMPILE_LIMIT_S >= 2 * 3325.0
     # auto: each candidate under its own provider's limit unless told otherwise.
     assert AutoProvider(v).compile_limit_s is None
 

@@ -95,8 +95,8 @@ worker process killed at the limit and comes back pickled
 (:class:`maskplug.grammar.sdk.CompileWorker`). About a third of
 JSONSchemaBench's real schemas do not finish building within 5 CPU s over a
 131k-token vocabulary, and some of those run for minutes (an untyped value
-becomes outlines-core's nested any-JSON regex, the slowest measured finished
-after 14 minutes); the default is set so that every schema measured to finish
+becomes outlines-core's nested any-JSON regex) or, for the largest regexes,
+most of an hour; the default is set so that every schema measured to finish
 does.
 """
 
@@ -146,23 +146,22 @@ __all__ = [
 # Draft windows are a handful of tokens; deeper rollbacks rebuild the guide.
 _MAX_ROLLBACK = 64
 
-OUTLINES_COMPILE_LIMIT_S = 1800.0
+OUTLINES_COMPILE_LIMIT_S = 7200.0
 """outlines-core's default compile limit, in CPU seconds of its compile server. Its ``Index`` build walks
 every token from every automaton state, and the whitespace bound adds states at every whitespace
-position, so its compile times have a long tail no limit sits clear of. Over tekken's 131k tokens at the
-default bound, all 1,003 of the shared sample's JSONSchemaBench schemas measured one by one
-(``benchmarks/compile_times/outlines-core.jsonl``, CPU seconds of the compile server): 890 compile,
-median 2.3 s, p90 91 s, p99 534 s, the slowest 1,317 s (Github_hard o57801; next BFCL_java_64 1,085 s and
-BFCL_java_56 757 s, which hold the empty schema ``{}``, any JSON value, whose regex is large); 82 are
-refused up front (a keyword or format the regex builder lacks, or a regex it cannot build); 28 passed the
-memory limit (half the machine's memory, 12 GB there); and 3 (JsonSchemaStore markdownlint, jx-requirements,
-cypress) were still building when this limit stopped them. Given 7200 s instead, markdownlint and cypress
-passed the memory limit after 2,569 and 3,588 CPU s (``benchmarks/compile_times/outlines-core-7200.jsonl``):
-they do not compile on that machine under any CPU limit, and this one stops them sooner. So the default
-stops about one schema in three hundred, each still building after half an hour; ``auto`` tries llguidance first, which
-compiles every one of those stopped by either limit in a second or two. A server that takes arbitrary
-schemas may want a lower one (``compile_limit_s=``); past :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S`
-a request waits for its compile, the engine's steps do not."""
+position, so its compile times have a long tail. Over tekken's 131k tokens at the default bound, all
+1,003 of the shared sample's JSONSchemaBench schemas measured one by one
+(``benchmarks/compile_times/outlines-core.jsonl`` and ``outlines-core-7200.jsonl``, CPU seconds of the
+compile server): 891 compile, median 2.3 s, p90 91 s, p99 554 s, the slowest JsonSchemaStore
+jx-requirements after 3,325 s (a 25-million-character regex; next Github_hard o57801 1,317 s and
+BFCL_java_64 1,085 s); 82 are refused up front (a keyword or format the regex builder lacks, or a regex it
+cannot build); 30 pass the memory limit (half the machine's memory, 12 GB there) first, JsonSchemaStore
+markdownlint and cypress among them after 2,569 and 3,588 s. The default sits above the slowest compile
+that finishes with a margin of two for a busier machine's slower CPU seconds, so no schema of the sample
+reaches it: what cannot finish there is stopped by the memory limit. ``auto`` tries llguidance first,
+which compiles every one of those in a second or two. A server that takes arbitrary schemas may want a
+lower limit (``compile_limit_s=``): past :data:`maskplug.grammar.sdk.DEFAULT_COMPILE_LIMIT_S` a request
+waits for its compile, the engine's steps do not."""
 
 # Default bound of each grammar's mask cache: 2,048 rows at a 131k vocabulary.
 # Pages are only touched as states are cached.
