@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -201,6 +201,26 @@ def _assert_quiet(watch: Watch) -> None:
     assert watch.calls == calls and watch.in_flight == 0
 
 
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` on the main thread during the test, as in a fresh interpreter.
+
+    Whatever ran before in this process (a library that installs its own SIGINT handler in C,
+    ``faulthandler.register(SIGINT)``, or SIGINT left blocked) would keep the signal from ever
+    becoming an exception, and the walk would end as if never interrupted. Python's own handler
+    is installed for the test and SIGINT unblocked on the main thread; both are put back after.
+    """
+    before = signal.getsignal(signal.SIGINT)
+    was_blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
+        if was_blocked:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 def _interrupt_main() -> None:
     """A real SIGINT to the main thread, handled there (KeyboardInterrupt) while this walker sleeps."""
     signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
@@ -235,7 +255,7 @@ STOPS = [
 
 @pytest.mark.parametrize("provider", POOLED)
 @pytest.mark.parametrize(("kind", "how"), STOPS)
-def test_nothing_runs_after_an_interrupted_pooled_walk(provider: str, kind: str, how: str) -> None:
+def test_nothing_runs_after_an_interrupted_pooled_walk(provider: str, kind: str, how: str, sigint_raises: None) -> None:
     """Stopped mid-walk, the call raises only once every walk has ended; the matchers are back and free."""
     n, k = 6, 4
     for trial in range(3):
