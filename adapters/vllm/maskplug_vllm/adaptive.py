@@ -770,8 +770,10 @@ _install_lock = threading.Lock()
 
 # -- the patches ----------------------------------------------------------------------------------
 
-#: Planned steps awaiting their outcome, per scheduler: ``id(scheduler_output)`` → the output (kept
-#: alive so the id stays its own), its grammar output (``get_grammar_bitmask`` hands it back) and the plan.
+#: Steps awaiting their outcome, per scheduler: ``id(scheduler_output)`` → the output (kept alive so
+#: the id stays its own), its grammar output and the plan. A planned step's entry is made in ``schedule``
+#: (``get_grammar_bitmask`` hands its rows back); a ``verify-all`` step's, plan ``None``, by
+#: ``get_grammar_bitmask`` once vLLM's own call has produced the rows.
 _STEPS_ATTR = "_maskplug_steps"
 
 
