@@ -394,7 +394,7 @@ class _Controller:
     """
 
     def __init__(self, scheduler: Scheduler, name: str, cost: CostModel) -> None:
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # also sets verifies_all
         self.name = name
         self.cost = cost
         self.stats = _new_stats()
@@ -406,14 +406,18 @@ class _Controller:
         self.unfolded: list[tuple[int, int, int, int, bool, str]] = []
 
     @property
-    def verifies_all(self) -> bool:
-        """Whether the scheduler is the built-in ``verify-all`` (exactly it, not a subclass).
+    def scheduler(self) -> Scheduler:
+        """The scheduler that picks the budgets; setting it also sets :attr:`verifies_all`."""
+        return self._scheduler
 
-        With no logits-row limit, as here, it verifies every draft and learns
-        nothing, so its steps need neither a view nor an outcome: about half of
-        the 80 µs that planning and the outcome cost per step at one request.
-        """
-        return type(self.scheduler) is VerifyAllScheduler
+    @scheduler.setter
+    def scheduler(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        #: Whether the scheduler is the built-in ``verify-all`` (exactly it, not a subclass). With no
+        #: logits-row limit, as here, it verifies every draft and learns nothing, so its steps are
+        #: neither planned nor given an outcome, only counted (``update_from_output``). A plain
+        #: attribute: the patched engine-core methods read it on every step.
+        self.verifies_all = type(scheduler) is VerifyAllScheduler
 
     # Step 1, in the engine core: right after vLLM scheduled the step.
     def plan(self, so: Any, grammar_output: Any = None) -> _Plan:
@@ -579,7 +583,8 @@ class _Controller:
         What :meth:`plan` and :meth:`finish` would count for it (every draft
         verified, the regime ``full``), read in one pass over the step's
         requests: the built-in ``verify-all`` learns nothing, so the engine
-        core keeps no plan between the two calls. ``gids`` are the step's
+        core keeps no plan between the two calls (the requests that finished
+        are forgotten here too). ``gids`` are the step's
         grammar requests when its grammar output is at hand, else they are
         found in ``requests``, the scheduler's own map, as vLLM finds them.
         """
@@ -615,6 +620,8 @@ class _Controller:
                     if total and drafts_of(r):
                         structured = True
         finished = so.finished_req_ids
+        if finished:
+            self.confidences.forget(list(finished))
         self._tally(
             total, total, num_emitted, num_accepted, structured, "full", len(nst), num_grammar, len(finished or ())
         )
@@ -770,11 +777,16 @@ _install_lock = threading.Lock()
 
 # -- the patches ----------------------------------------------------------------------------------
 
-#: Steps awaiting their outcome, per scheduler: ``id(scheduler_output)`` → the output (kept alive so
-#: the id stays its own), its grammar output and the plan. A planned step's entry is made in ``schedule``
-#: (``get_grammar_bitmask`` hands its rows back); a ``verify-all`` step's, plan ``None``, by
-#: ``get_grammar_bitmask`` once vLLM's own call has produced the rows.
+#: Planned steps awaiting their outcome, per scheduler: ``id(scheduler_output)`` → the output (kept
+#: alive so the id stays its own), its grammar output and the plan, made in ``schedule``
+#: (``get_grammar_bitmask`` hands its rows back).
 _STEPS_ATTR = "_maskplug_steps"
+
+#: Attribute of vLLM's scheduler output marking a ``verify-all`` step: its grammar requests, set by
+#: ``get_grammar_bitmask`` after vLLM's own call produced the rows (the step has been handed to the
+#: executor by then, so it never travels to the workers), read by ``update_from_output`` to count
+#: the step. On the output itself, the step needs no entry in a map of pending steps.
+_GRAMMAR_IDS_ATTR = "_maskplug_grammar_ids"
 
 
 _MAX_PENDING = 16
@@ -804,7 +816,13 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         so = orig(self, *args, **kwargs)
         ctl = _controller
-        if ctl is None:
+        if ctl is None or ctl.verifies_all:
+            # verify-all: nothing to plan. The rows are produced where vLLM asks for them
+            # (get_grammar_bitmask, after the step is sent: with a multiprocess executor while the
+            # workers run the model), and update_from_output counts the step from vLLM's own outputs.
+            # Produced here instead the rows delayed the step by their cost, and the matchers were
+            # cold when the emitted tokens reached them after the forward pass (at 16 requests in the
+            # engine 64 µs more host work per step; at one request no difference beyond the noise).
             return so
         if ctl.metrics is None:
             ctl.metrics = _open_metrics(self, ctl.name)
@@ -822,17 +840,6 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
             # Outcomes come back in order, a step or two later (more only if vLLM dropped one): the oldest go.
             for key in list(pending)[: len(pending) - _MAX_PENDING + 1]:
                 del pending[key]
-        if ctl.verifies_all:
-            # Nothing to plan: every draft is verified and nothing is learnt; update_from_output counts
-            # the step from vLLM's own outputs. The rows are produced where vLLM asks for them
-            # (get_grammar_bitmask, after the step is sent: with a multiprocess executor while the
-            # workers run the model), which keeps the step's grammar requests for the count. Produced
-            # here instead they delayed the step by their cost, and the matchers were cold when the
-            # emitted tokens reached them after the forward pass (at 16 requests in the engine 64 µs
-            # more host work per step; at one request no difference beyond the noise).
-            if so.finished_req_ids:
-                ctl.confidences.forget(list(so.finished_req_ids))
-            return so
         # The rows for every scheduled draft, produced now (vLLM would produce the same rows while
         # the model runs): the budget needs the step's draft masks before the step is sent.
         manager = self.structured_output_manager
@@ -841,8 +848,7 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         produced = getattr(manager, DRAFT_MASKS_ATTR, None)
         setattr(manager, DRAFT_MASKS_ATTR, None)
         attached = False
-        if grammar_output is not None and produced is not None and not ctl.verifies_all:
-            # (verify-all reads no draft masks.)
+        if grammar_output is not None and produced is not None:
             gids, dm = produced
             if list(gids) == list(grammar_output.structured_output_request_ids):
                 setattr(grammar_output, _DRAFT_MASKS_ON_OUTPUT, dm)
@@ -866,9 +872,9 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
                 return entry[1]
         out = orig(self, scheduler_output)
         ctl = _controller
-        if ctl is not None and ctl.verifies_all and scheduler_output.total_num_scheduled_tokens:
+        if ctl is not None and ctl.verifies_all:
             # A verify-all step (not planned): update_from_output counts it with these grammar requests.
-            _pending(self)[id(scheduler_output)] = (scheduler_output, out, None)
+            setattr(scheduler_output, _GRAMMAR_IDS_ATTR, out.structured_output_request_ids if out is not None else ())
         return out
 
     return wraps(orig)(get_grammar_bitmask)
@@ -877,23 +883,32 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         ctl = _controller
-        # vLLM's engine loop also calls this for steps that scheduled nothing (while requests wait,
-        # e.g. for their grammars: tens of thousands of calls in a benchmark's warm-up); those were
-        # never planned and cost one attribute read here.
-        if ctl is not None and scheduler_output.total_num_scheduled_tokens:
-            pending = _pending(self)
-            entry = pending.pop(id(scheduler_output), None) if pending else None
-            if entry is not None and entry[0] is not scheduler_output:
-                entry = None
-            if entry is not None and entry[2] is not None:
-                ctl.finish(entry[2], model_runner_output)
-            elif ctl.verifies_all:
-                # A verify-all step: planned as nothing (or before the scheduler became verify-all).
-                gids = None
-                if entry is not None:
-                    go = entry[1]
-                    gids = go.structured_output_request_ids if go is not None else ()
+        if ctl is not None:
+            if ctl.metrics is None:
+                ctl.metrics = _open_metrics(self, ctl.name)
+            gids = getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)
+            if not scheduler_output.total_num_scheduled_tokens:
+                # vLLM's engine loop also calls this for steps that scheduled nothing (while requests
+                # wait, e.g. for their grammars: tens of thousands of calls in a benchmark's warm-up).
+                # A verify-all engine passes finished requests on and counts what is left here (a
+                # planning one did both in schedule).
+                if ctl.verifies_all:
+                    if scheduler_output.finished_req_ids:
+                        ctl.forget(scheduler_output.finished_req_ids)
+                    if ctl.unfolded:
+                        ctl.fold()
+            elif gids is not None:
+                # A verify-all step (even if the scheduler changed since).
                 ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
+            else:
+                pending = getattr(self, _STEPS_ATTR, None)
+                entry = pending.pop(id(scheduler_output), None) if pending else None
+                if entry is not None and entry[0] is scheduler_output:
+                    ctl.finish(entry[2], model_runner_output)
+                elif ctl.verifies_all:
+                    # A verify-all step whose rows vLLM did not ask for, or scheduled before the
+                    # scheduler became verify-all: its grammar requests are found in the scheduler's map.
+                    ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)
         if ctl is not None and ctl.unfolded and getattr(self, "finished_req_ids", True):
             # A request ended in this step: its steps are counted before its output leaves the
