@@ -16,7 +16,14 @@ tokens per second and the mean engine-step time at each concurrency, for:
   of up to 5 tokens and ``MASKPLUG_VLLM=1``, the verify budget chosen every
   step by the maskplug scheduler (switched in place), with the cost curve
   measured first by ``python -m maskplug_vllm.calibrate`` on the same model
-  (with the same clock as the summary, see below).
+  (with the same clock as the summary, see below). The engine runs every
+  scheduler at one concurrency before the next concurrency, and each round
+  starts with another scheduler: one engine process runs the same work a
+  few percent faster in one stretch of its life than in another (two
+  schedulers that made identical decisions differed by 4% when each ran all
+  its concurrencies in one block). Each of those runs starts with a fresh
+  scheduler (``set_scheduler``), so what one learnt at one concurrency does
+  not carry over to the next.
 
 Options beyond that: ``--workload mixed`` (half requests whose n-gram
 drafts are mostly accepted, half whose drafts mostly fail; see
@@ -157,10 +164,13 @@ def child(spec_json: str) -> None:
     names = cfg["schedulers"] or [None]
     if cfg["schedulers"]:
         import maskplug_vllm
-    for name in names:
-        if name is not None and tp == 1:
-            maskplug_vllm.set_scheduler(name)
-        for c in cfg["concurrency"]:
+    # Concurrency by concurrency, every scheduler in turn: one engine process runs the same work a few
+    # percent faster in one stretch of its life than in another, so two schedulers compare best when
+    # their runs at a concurrency follow each other.
+    for c in cfg["concurrency"]:
+        for name in names:
+            if name is not None and tp == 1:
+                maskplug_vllm.set_scheduler(name)
             n = max(cfg["min_requests"], cfg["requests_per_slot"] * c)
             # Warm-up at this batch size (shapes, grammar caches), not timed.
             tiny.closed_loop(engine, _structured_workload(c, 1000 + c, kind), c, 6, f"warm-{name}-{c}")
@@ -407,12 +417,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {rnd + 1} of {args.rounds}", flush=True)
             for label, spec in BASELINES.items():
                 results += _run_child({**common, "label": label, "spec": spec, "schedulers": []})
+            # Each round starts with another scheduler, so none always runs in the same place.
+            turn = adaptive[rnd % len(adaptive) :] + adaptive[: rnd % len(adaptive)]
             if args.tp > 1:
                 # The engine core is another process: one engine per scheduler, set by its environment.
-                for a in adaptive:
+                for a in turn:
                     results += _run_child({**common, "label": a, "spec": MAX_SPEC, "schedulers": [a]})
             else:
-                results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": adaptive})
+                results += _run_child({**common, "label": "adaptive", "spec": MAX_SPEC, "schedulers": turn})
         elapsed = time.perf_counter() - t0
     adaptive = [_config_label(a) for a in adaptive]
     configs = [*BASELINES, *adaptive]

@@ -224,6 +224,72 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     assert not ctl.unfolded and adaptive.step_stats()["steps"] == 0
 
 
+def test_a_verify_all_step_is_counted_from_the_scheduler_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine core's three wrappers under ``verify-all``, in vLLM's order for each step.
+
+    ``schedule`` hands vLLM's output back untouched and keeps nothing;
+    ``get_grammar_bitmask`` marks the output with the step's grammar
+    requests; ``update_from_output`` counts the step from it (also when the
+    scheduler was switched in between), forgets the requests that finished,
+    and on a step that ran nothing counts what waited.
+    """
+    from maskplug.schedulers import VerifyAllScheduler
+
+    monkeypatch.setenv(metrics.METRICS_DIR_ENV, str(tmp_path))
+    ctl = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    monkeypatch.setattr(adaptive, "_controller", ctl)
+    assert ctl.verifies_all
+    ctl.confidences.record(["a", "b"], [[0.5, 0.5], [0.5, 0.5]])
+    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests={})
+    schedule = adaptive._make_schedule(lambda self, so: so, lambda self, so: pytest.fail("rows in schedule"))
+    rows = adaptive._make_get_grammar_bitmask(lambda self, so: SimpleNamespace(structured_output_request_ids=["a"]))
+    seen: list[Any] = []
+    update = adaptive._make_update_from_output(lambda self, so, out: seen.append(so))
+
+    def step(spec: dict[str, list[int]], emitted: dict[str, int], finished: tuple[str, ...] = ()) -> Any:
+        nst = {r: len(d) + 1 for r, d in spec.items()}
+        so = SimpleNamespace(
+            num_scheduled_tokens=nst,
+            scheduled_spec_decode_tokens={r: d for r, d in spec.items() if d},
+            total_num_scheduled_tokens=sum(nst.values()),
+            finished_req_ids=set(finished),
+        )
+        assert schedule(sched, so) is so and not hasattr(sched, adaptive._STEPS_ATTR)
+        return so, SimpleNamespace(
+            sampled_token_ids=[[7] * emitted[r] for r in spec], req_id_to_index={r: i for i, r in enumerate(spec)}
+        )
+
+    # Step 1: both requests drafted; "a" (a grammar request) had 2 of 3 accepted, "b" none of 2.
+    so, out = step({"a": [1, 2, 3], "b": [4, 5]}, {"a": 3, "b": 1})
+    rows(sched, so)
+    assert getattr(so, adaptive._GRAMMAR_IDS_ATTR) == ["a"]
+    update(sched, so, out)
+    # Step 2: the scheduler is switched between the rows and the outcome; the step is still counted.
+    so, out = step({"a": [1], "b": []}, {"a": 2, "b": 1}, finished=("b",))
+    rows(sched, so)
+    ctl.scheduler = GoodputScheduler()
+    assert not ctl.verifies_all
+    update(sched, so, out)
+    ctl.scheduler = VerifyAllScheduler()
+    assert ctl.confidences.for_step(["a", "b"], {"a": [1, 2], "b": [3, 4]})[1].tolist() == [
+        [0.5, 0.5],
+        [1.0, 1.0],  # "b" finished: forgotten, so it reads as new
+    ]
+    # An empty step announcing a finished request: what waited is counted and published.
+    empty = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids={"a"})
+    rows(sched, empty)
+    assert ctl.unfolded
+    update(sched, empty, None)
+    assert not ctl.unfolded and len(seen) == 3
+    assert ctl.confidences.for_step(["a"], {"a": [1, 2]})[1].tolist() == [[1.0, 1.0]]
+    want = {"steps": 2, "drafts_scheduled": 6, "drafts_verified": 6, "drafts_accepted": 3, "tokens_emitted": 7}
+    assert {k: ctl.stats[k] for k in want} == want
+    assert ctl.stats["structured_steps"] == 2 and ctl.stats["regimes"]["full"] == 2
+    assert metrics.read_metrics(tmp_path)["0"]["steps"] == 2
+
+
 def _config(**over: Any) -> SimpleNamespace:
     cfg = {
         "speculative_config": SimpleNamespace(num_speculative_tokens=3, method="ngram"),
