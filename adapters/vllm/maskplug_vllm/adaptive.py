@@ -524,6 +524,17 @@ class _Controller:
                 )
             )
 
+    def idle_step(self, finished: Any) -> None:
+        """A step that ran nothing: pass its finished requests on and count the steps that waited.
+
+        vLLM's last step of a batch may only announce finished requests; an
+        engine that falls idle has published everything.
+        """
+        if finished:
+            self.forget(finished)
+        if self.unfolded:
+            self.fold()
+
     # Step 3, in the engine core: the sampled tokens came back from the workers.
     def finish(self, plan: _Plan, output: Any) -> None:
         sampled = getattr(output, "sampled_token_ids", None) or []
@@ -827,13 +838,8 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         if ctl.metrics is None:
             ctl.metrics = _open_metrics(self, ctl.name)
         if so.total_num_scheduled_tokens == 0:
-            # Nothing runs (the engine loops while a request waits, e.g. for its grammar): no rows, no
-            # plan; vLLM's last step of a batch may only announce finished requests: pass them on. The
-            # steps not yet counted are counted now (an engine that falls idle has published everything).
-            if so.finished_req_ids:
-                ctl.forget(so.finished_req_ids)
-            if ctl.unfolded:
-                ctl.fold()
+            # Nothing runs (the engine loops while a request waits, e.g. for its grammar): no rows, no plan.
+            ctl.idle_step(so.finished_req_ids)
             return so
         pending = _pending(self)
         if len(pending) >= _MAX_PENDING:
@@ -886,18 +892,13 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
         if ctl is not None:
             if ctl.metrics is None:
                 ctl.metrics = _open_metrics(self, ctl.name)
-            gids = getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)
             if not scheduler_output.total_num_scheduled_tokens:
                 # vLLM's engine loop also calls this for steps that scheduled nothing (while requests
                 # wait, e.g. for their grammars: tens of thousands of calls in a benchmark's warm-up).
-                # A verify-all engine passes finished requests on and counts what is left here (a
-                # planning one did both in schedule).
+                # A planning engine handled them in schedule; a verify-all one does here.
                 if ctl.verifies_all:
-                    if scheduler_output.finished_req_ids:
-                        ctl.forget(scheduler_output.finished_req_ids)
-                    if ctl.unfolded:
-                        ctl.fold()
-            elif gids is not None:
+                    ctl.idle_step(scheduler_output.finished_req_ids)
+            elif (gids := getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)) is not None:
                 # A verify-all step (even if the scheduler changed since).
                 ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
             else:
