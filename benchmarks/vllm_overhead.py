@@ -27,20 +27,27 @@ engines generated identical tokens (a digest of every request's token ids).
 With ``--profile`` a last set of rounds times the engine's patched
 functions with ``time.thread_time_ns`` (CPU time of the calling thread)
 around each call: vLLM's ``Scheduler.schedule`` and ``update_from_output``,
-the structured-output manager's ``grammar_bitmask`` (the mask rows), each
-grammar's ``accept_tokens`` (``accept``: the emitted tokens reaching the
-grammars, inside ``update_from_output``), the model runner's ``apply_grammar_bitmask`` (the apply), and maskplug's budget
-planning and outcome (``_Controller.plan`` / ``finish`` or ``finish_all``), per step that ran
-the model (engine steps that only wait differ in number between engines),
-and ``host``: their sum besides the forward pass (schedule, update, apply,
-and the rows where they were not produced inside the schedule: each timed
-call records whether another timed call was running). These timed calls run
+the scheduler's ``get_grammar_bitmask`` (``grammar_output``: what the
+engine core asks for after sending the step, the adapter's wrapper
+included) and inside it the structured-output manager's ``grammar_bitmask``
+(``rows``: the mask rows), each grammar's ``accept_tokens`` (``accept``: the
+emitted tokens reaching the grammars, inside ``update_from_output``), the
+model runner's ``apply_grammar_bitmask`` (the apply), and a planning
+scheduler's budget and outcome (``_Controller.plan`` / ``finish``), per step
+that ran the model (engine steps that only wait differ in number between
+engines), and ``host``: the host work besides the forward pass
+(``schedule``, ``update_from_output``, ``grammar_output`` and the apply;
+each timed call records whether another timed call was running, so a call
+nested in another is counted once). These timed calls run
 cold, between forward passes: each costs several times what the same call
 costs repeated in a loop (``benchmarks/vllm_rows.py``, ``cpu_apply.py``).
 ``--restart N`` starts fresh engine processes every N rounds: one engine
 process can run the same work about 30% slower than another for its whole
 life (seen here with no maskplug code running at all), so the medians
-should span several processes per engine. With more than one profiled
+should span several processes per engine. ``--switch`` removes that
+spread instead: one engine process serves every mode, maskplug's patches
+uninstalled and installed between runs (``_Switch``), so two modes differ
+only in the code their steps run. With more than one profiled
 round, ``host`` is also given as the median of each round's difference to
 ``vllm`` (profiled rounds restart engines too; ``--rounds 0`` runs only
 profiled rounds and takes the rates from them). ``--json`` writes every figure.
@@ -78,13 +85,20 @@ MODES: dict[str, dict[str, str]] = {
 
 
 class _Timers:
-    """CPU nanoseconds and calls per wrapped function; installed once, switched on and off."""
+    """CPU nanoseconds and calls per wrapped function; installed once, switched on and off.
+
+    :meth:`unwrap` puts the wrapped attributes back and :meth:`rewrap` wraps
+    whatever they hold then: the in-process switch of ``--switch`` changes
+    maskplug's patches between runs, and the timers must wrap the patched
+    methods, not hide them from maskplug's install and uninstall.
+    """
 
     def __init__(self) -> None:
         self.on = False
         self.local = threading.local()  # .active: the timed function running on this thread, if any
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
+        self.wrapped: list[tuple[Any, str, str, Any, Any]] = []  # owner, attribute, name, original, wrapper
 
     def wrap(self, owner: Any, attr: str, name: str) -> None:
         fn = getattr(owner, attr)
@@ -112,6 +126,21 @@ class _Timers:
                     timers.ns[key] = timers.ns.get(key, 0) + dt
 
         setattr(owner, attr, timed)
+        self.wrapped.append((owner, attr, name, fn, timed))
+
+    def unwrap(self) -> list[tuple[Any, str, str]]:
+        """Put every wrapped attribute back (the last wrapped first); returns what was wrapped."""
+        done = []
+        while self.wrapped:
+            owner, attr, name, fn, timed = self.wrapped.pop()
+            if getattr(owner, attr) is timed:
+                setattr(owner, attr, fn)
+            done.append((owner, attr, name))
+        return done[::-1]
+
+    def rewrap(self, what: list[tuple[Any, str, str]]) -> None:
+        for owner, attr, name in what:
+            self.wrap(owner, attr, name)
 
     def reset(self) -> None:
         self.ns.clear()
@@ -126,6 +155,9 @@ def _install_timers() -> _Timers:
     t = _Timers()
     t.wrap(Scheduler, "schedule", "schedule")
     t.wrap(Scheduler, "update_from_output", "update_from_output")
+    # The rows as the engine core asks for them (the scheduler's wrapper included), and the
+    # manager's producer inside that call.
+    t.wrap(Scheduler, "get_grammar_bitmask", "grammar_output")
     t.wrap(StructuredOutputManager, "grammar_bitmask", "rows")
     t.wrap(runner_mod, "apply_grammar_bitmask", "apply")
     t.wrap(runner_mod.GPUModelRunner, "execute_model", "execute_model")
@@ -140,11 +172,55 @@ def _install_timers() -> _Timers:
     if os.environ.get("MASKPLUG_VLLM_SCHEDULER"):
         from maskplug_vllm import adaptive
 
+        # A planned step's budget and outcome. A verify-all step's count (``finish_all``) is not timed
+        # apart: a timer inside update_from_output costs a few microseconds itself, which only that
+        # engine's figure would carry.
         t.wrap(adaptive._Controller, "plan", "plan")
         t.wrap(adaptive._Controller, "finish", "outcome")
-        if hasattr(adaptive._Controller, "finish_all"):  # a verify-all step's outcome (not planned)
-            t.wrap(adaptive._Controller, "finish_all", "outcome")
     return t
+
+
+class _Switch:
+    """``--switch``: one engine process runs every mode, maskplug's patches changed between runs.
+
+    The process starts as ``verify-all`` (maskplug's structured-output and
+    adaptive patches installed by vLLM's plugin loader). A run in another
+    mode first takes the timers off, uninstalls maskplug's patches
+    (:func:`maskplug_vllm.uninstall`), installs what the mode needs and
+    hands the structured-output manager that mode's grammar backend (vLLM's
+    own xgrammar backend for ``vllm``, maskplug's for the others; each made
+    by the first request that needs it, then kept), then puts the timers
+    back on top. Between runs no request is in flight, so no grammar of one
+    backend meets the other's rows. What differs between two modes is then
+    only the code each step runs, in the same process, its memory and its
+    caches: the process-to-process spread of the separate engines is gone.
+    """
+
+    def __init__(self, engine: Any, timers: _Timers) -> None:
+        self.manager = engine.engine_core.engine_core.scheduler.structured_output_manager
+        self.timers = timers
+        self.mode = "verify-all"
+        self.backends: dict[str, Any] = {}
+
+    @staticmethod
+    def _kind(mode: str) -> str:
+        return "vllm" if mode == "vllm" else "maskplug"
+
+    def to(self, mode: str) -> None:
+        if mode == self.mode:
+            return
+        import maskplug_vllm
+
+        wrapped = self.timers.unwrap()
+        self.backends[self._kind(self.mode)] = self.manager.backend
+        maskplug_vllm.uninstall()
+        if mode != "vllm":
+            maskplug_vllm.install()
+            if mode == "verify-all":
+                maskplug_vllm.install_adaptive("verify-all")
+        self.manager.backend = self.backends.get(self._kind(mode))
+        self.timers.rewrap(wrapped)
+        self.mode = mode
 
 
 def _answer(obj: Any) -> None:
@@ -153,19 +229,26 @@ def _answer(obj: Any) -> None:
 
 
 def serve(cfg: dict[str, Any]) -> None:
-    """One engine; answers ``{"c", "n", "seed", "max_tokens", "profile"}`` commands with a run's figures."""
+    """One engine; answers ``{"c", "n", "seed", "max_tokens", "profile"}`` commands with a run's figures.
+
+    With ``cfg["switch"]`` (the modes it serves) a command's ``"mode"`` picks the mode of its run (:class:`_Switch`).
+    """
     from vllm import LLM
 
     llm = LLM(**tiny.engine_kwargs(cfg["model"], cfg["speculative"], max(cfg["concurrency"])))
     engine = llm.llm_engine
     make = getattr(tiny, cfg.get("workload", "structured_workload"))
-    # Compile every grammar the runs will use (vLLM caches compiled grammars), then warm up at each
-    # concurrency (shapes, caches), untimed.
-    for seed in cfg["seeds"]:
-        tiny.closed_loop(engine, make(cfg["requests"], seed), max(cfg["concurrency"]), 2, f"compile-{seed}")
-    for c in cfg["concurrency"]:
-        tiny.closed_loop(engine, make(c, 10_000 + c), c, 8, f"warm-{c}")
     timers = _install_timers()
+    switch = _Switch(engine, timers) if cfg.get("switch") else None
+    # Compile every grammar the runs will use (vLLM caches compiled grammars), then warm up at each
+    # concurrency (shapes, caches), untimed; in every mode the process serves.
+    for mode in cfg.get("switch") or [None]:
+        if switch is not None:
+            switch.to(mode)
+        for seed in cfg["seeds"]:
+            tiny.closed_loop(engine, make(cfg["requests"], seed), max(cfg["concurrency"]), 2, f"compile-{seed}")
+        for c in cfg["concurrency"]:
+            tiny.closed_loop(engine, make(c, 10_000 + c), c, 8, f"warm-{c}")
     import maskplug_vllm
 
     import maskplug
@@ -173,6 +256,8 @@ def serve(cfg: dict[str, Any]) -> None:
     _answer({"ready": True, "maskplug": maskplug.__file__, "maskplug_vllm": maskplug_vllm.__file__})
     for line in sys.stdin:
         cmd = json.loads(line)
+        if switch is not None:
+            switch.to(cmd["mode"])
         reqs = make(cmd["n"], cmd["seed"])
         timers.reset()
         timers.on = bool(cmd.get("profile"))
@@ -239,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="start fresh engine processes every this many rounds (0: never); the median then spans processes",
     )
+    p.add_argument(
+        "--switch",
+        action="store_true",
+        help="one engine process runs every mode, maskplug's patches switched between runs (no MODE@TREE)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -247,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     conc = [int(x) for x in args.concurrency.split(",")]
     modes = [m.strip() for m in args.modes.split(",")]
+    if args.switch and any("@" in m for m in modes):
+        p.error("--switch: every mode runs on this tree in one process, got a MODE@TREE")
     rate = "tokens_per_cpu_s" if args.clock == "cpu" else "tokens_per_s"
     total_rounds = args.rounds + args.profile
     with tempfile.TemporaryDirectory(prefix="maskplug-overhead-") as tmp:
@@ -258,15 +350,25 @@ def main(argv: list[str] | None = None) -> int:
             "requests": args.requests,
             "seeds": list(range(total_rounds)),
         }
+        if args.switch:
+            cfg["switch"] = modes
         print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
         print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
         t0 = time.perf_counter()
 
         def start() -> dict[str, tiny.EngineProcess]:
+            if args.switch:
+                # Started as verify-all: maskplug's patches loaded the way vLLM loads them, then switched.
+                one = tiny.EngineProcess(__file__, "switch", cfg, _mode_env("verify-all"), Path(tmp) / "engine.log")
+                return dict.fromkeys(modes, one)
             return {
                 m: tiny.EngineProcess(__file__, m, cfg, _mode_env(m), Path(tmp) / f"engine-{i}.log")
                 for i, m in enumerate(modes)
             }
+
+        def close(engines: dict[str, tiny.EngineProcess]) -> None:
+            for e in {id(e): e for e in engines.values()}.values():
+                e.close()
 
         engines = start()
         print(f"engines ready in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -279,8 +381,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.restart and rnd and rnd % args.restart == 0:
                     # Fresh engine processes: one process can run the same work ~30% slower than
                     # another for its whole life, a bias that more rounds on it never remove.
-                    for e in engines.values():
-                        e.close()
+                    close(engines)
                     engines = start()
                 profile = rnd >= args.rounds
                 for c in conc:
@@ -295,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "max_tokens": args.max_tokens,
                                 "round": rnd,
                                 "profile": profile,
+                                "mode": m,
                             }
                         )
                         res.update(mode=m, c=c, round=rnd, profile=profile)
@@ -310,8 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
         finally:
-            for e in engines.values():
-                e.close()
+            close(engines)
     # With --rounds 0 the profiled rounds give the rates too (the timers themselves cost a little).
     timed = [r for r in rows if not r["profile"]] or rows
     ratios = _ratio_table(timed, modes, conc, rate)
@@ -342,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\nper model step, CPU µs of the calling thread (profiled rounds)")
         names = [
             "schedule",
+            "grammar_output",
             "rows",
             "plan",
             "update_from_output",
@@ -357,10 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 prs = [r for r in profiled if r["mode"] == m and r["c"] == c]
                 steps = sum(r["model_steps"] for r in prs)
                 per = {n: sum(r["timers_ns"].get(n, 0) for r in prs) / 1e3 / max(1, steps) for n in names}
-                # Host work besides the forward: the engine core's schedule and update, the rows where they
-                # were not produced inside the schedule (maskplug may produce them there), and the apply.
-                nested = sum(r["timers_ns"].get("rows in schedule", 0) for r in prs) / 1e3 / max(1, steps)
-                per["host"] = per["schedule"] + per["update_from_output"] + per["apply"] + per["rows"] - nested
+                per["host"] = sum(_host_ns(r["timers_ns"]) for r in prs) / 1e3 / max(1, steps)
                 cells = [
                     f"{per[n]:8.1f}" if n == "host" or any(n in r["timers_ns"] for r in prs) else "-" for n in names
                 ]
@@ -395,12 +494,24 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if mismatches else 0
 
 
+def _host_ns(t: dict[str, int]) -> int:
+    """Host work besides the forward pass in one run's timers, CPU ns.
+
+    The engine core's ``schedule`` and ``update_from_output``, the grammar
+    output it asks for (``get_grammar_bitmask``: the rows, where they were
+    not produced inside ``schedule``, and any wrapper around them) and the
+    apply. Figures recorded before ``get_grammar_bitmask`` was timed count
+    the manager's rows outside ``schedule`` instead.
+    """
+    ns = t.get("schedule", 0) + t.get("update_from_output", 0) + t.get("apply", 0)
+    if "grammar_output" in t:
+        return ns + t["grammar_output"]
+    return ns + t.get("rows", 0) - t.get("rows in schedule", 0)
+
+
 def _host(r: dict[str, Any]) -> float:
-    """One profiled round's host work per model step, CPU µs (as in the table: rows inside ``schedule`` once)."""
-    t = r["timers_ns"]
-    ns = t.get("schedule", 0) + t.get("update_from_output", 0) + t.get("apply", 0) + t.get("rows", 0)
-    ns -= t.get("rows in schedule", 0)
-    return float(ns) / 1e3 / max(1, r["model_steps"])
+    """One profiled round's host work per model step, CPU µs (as in the table)."""
+    return float(_host_ns(r["timers_ns"])) / 1e3 / max(1, r["model_steps"])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -68,10 +67,12 @@ def claim(matchers: Sequence[Any], keys: list[int], arg: str, job: DraftMasksJob
     when a call on another thread holds one.
     """
     c = Claim(matchers, keys, job)
+    held = _HELD
     while True:
         with _LOCK:
-            if not _HELD or _HELD.keys().isdisjoint(keys):
-                _HELD.update(dict.fromkeys(keys, c))
+            if not held or held.keys().isdisjoint(keys):
+                for k in keys:
+                    held[k] = c
                 return c
             i = next(i for i, k in enumerate(keys) if k in _HELD)
             other = _HELD[keys[i]]
@@ -88,9 +89,11 @@ def claim(matchers: Sequence[Any], keys: list[int], arg: str, job: DraftMasksJob
 
 def release(c: Claim) -> None:
     """Give back what :func:`claim` took."""
+    held = _HELD
     with _LOCK:
-        # The keys are this claim's alone (claim() takes all or none).
-        deque(map(_HELD.pop, c.keys), maxlen=0)
+        # The keys are this claim's alone (claim() takes all or none), each once (distinct matchers).
+        for k in c.keys:
+            del held[k]
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -23,10 +23,11 @@ import torch
 
 from ..draftmasks import DraftMasks, served
 from .assembly import assemble, row_counts
+from .bases import MatcherBase, plain_matcher_type
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
-from .walks import Walk, fail_request, rollback_error, rollback_walked, walk_calls
+from .walks import Walk, fail_request, rollback_error
 
 __all__ = ["walk_windows"]
 
@@ -82,6 +83,30 @@ def _no_forced(g_count: int, width: int) -> npt.NDArray[np.bool_]:
             _NONE_FORCED.clear()
         _NONE_FORCED[key] = a
     return a
+
+
+_SERVED: dict[tuple[int, ...], DraftMasks] = {}
+
+
+def _served_plain(acceptable: list[int], width: int) -> DraftMasks:
+    """The result of a step that served every request and forced no token, shared for a few requests.
+
+    A :class:`DraftMasks` is frozen and its arrays are read-only, so steps
+    with the same ``acceptable`` counts and ``forced`` width get one object: a
+    running batch repeats a few patterns, and between forward passes making
+    the result costs more than finding it.
+    """
+    g_count = len(acceptable)
+    if g_count > _SHARE_UP_TO:
+        return served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width))
+    key = (width, *acceptable)
+    dm = _SERVED.get(key)
+    if dm is None:
+        dm = served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width))
+        if len(_SERVED) >= 4096:
+            _SERVED.clear()
+        _SERVED[key] = dm
+    return dm
 
 
 def _general(
@@ -145,7 +170,14 @@ def walk_windows(
     try:
         for g in range(g_count):
             m = matchers[g]
-            fill, accept = walk_calls(m)
+            # The unchecked forms where the class keeps the public ones (walk_calls and
+            # rollback_walked, asked once per request here).
+            plain = plain_matcher_type(m.__class__)
+            if plain:
+                base = cast(MatcherBase, m)
+                fill, accept = base._fill_row, base._accept_id
+            else:
+                fill, accept = m.fill, m.accept
             d, e, r0 = windows[g], eos[g], row0[g]
             nd = len(d)
             took, p, filling, hi = 0, 0, True, -1
@@ -177,7 +209,10 @@ def walk_windows(
             if took:
                 k, took = took, 0
                 try:
-                    rollback_walked(m, k)
+                    if plain:
+                        cast(MatcherBase, m)._rollback_walked(k)
+                    else:
+                        m.rollback(k)
                 except Exception as exc:
                     if walk is None:
                         walk = _general(matchers, windows, row0, bitmask, total, vocabs)
@@ -235,20 +270,15 @@ def _complete(
         if vs < size:
             size = vs
     wb = 4 * words
-    nbytes = total * wb
-    whole: list[int]
-    below: list[int]
-    if nbytes <= _PY_COUNT_BYTES:
-        # A few narrow rows: each row as one Python int (little-endian words: bit t is token t).
+    # A few narrow rows: each filled row read as one Python int (little-endian words: bit t is token t);
+    # more: numpy counts every row's allowed tokens at once.
+    small = total * wb <= _PY_COUNT_BYTES
+    whole: list[int] = []
+    below: list[int] = []
+    if small:
         frm = int.from_bytes
         buf = bm[:total].tobytes()
-        keep = (1 << size) - 1 if size < words * 32 else -1
-        whole, below = [], []
-        for i in range(0, nbytes, wb):
-            x = frm(buf[i : i + wb], "little")
-            c = x.bit_count()
-            whole.append(c)
-            below.append((x & keep).bit_count() if keep >= 0 else c)
+        keep = (1 << size) - 1 if size < words * 32 else -1  # x & -1 is x
     else:
         count, below_arr = row_counts(bm, total, None, size)
         below = below_arr.tolist()
@@ -266,11 +296,17 @@ def _complete(
         a = row0[g]
         b = a + hi + 1
         for p in range(a, b):
-            if below[p] == 0:
+            if small:
+                x = frm(buf[p * wb : (p + 1) * wb], "little")
+                # No allowed token below the vocabulary size; exactly one bit set in the whole row.
+                empty, single = not x & keep, not x & (x - 1)
+            else:
+                empty, single = below[p] == 0, whole[p] == 1
+            if empty:
                 # A filled row that allows nothing makes its request fail: the general assembly's
                 # decision (nothing has been written yet).
                 return None
-            if whole[p] == 1:
+            if single:
                 # A single-token row (rare: a forced token).
                 if forced is None:
                     forced = np.zeros((g_count, width), dtype=bool)
@@ -283,4 +319,6 @@ def _complete(
         gaps.append((pos, total))
     for a, b in gaps:
         bm[a:b] = -1
-    return served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width) if forced is None else forced)
+    if forced is None:
+        return _served_plain(acceptable, width)
+    return served(_arange(g_count), _small_ints(acceptable), forced)

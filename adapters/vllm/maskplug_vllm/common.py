@@ -35,6 +35,8 @@ from .host import StepRows
 
 __all__ = [
     "CompactedRows",
+    "FewResult",
+    "FewRows",
     "FillRows",
     "RowsNeeded",
     "apply_rows",
@@ -50,6 +52,12 @@ RowsNeeded = Callable[[Sequence[str], Mapping[str, Sequence[int]], int], int]
 
 FillRows = Callable[[torch.Tensor, list[Any], list[str], dict[str, list[int]], int], tuple[int, DraftMasks]]
 """``(bitmask, grammars, grammar_req_ids, spec_tokens, stride) -> (rows written, draft masks)``."""
+
+FewRows = Callable[[Any, Mapping[str, Any], list[str], dict[str, list[int]]], "FewResult | None"]
+"""``(manager, requests, grammar_req_ids, spec_tokens) -> (rows written, draft masks, grammars, rows as numpy)``,
+or ``None`` for a step the release's general path must produce."""
+
+FewResult = tuple[int, DraftMasks, list[Any], np.ndarray]
 
 CompactedRows = Callable[[Any, Any, list[str], np.ndarray], StepRows]
 """``(worker, input_batch, grammar_req_ids, grammar_bitmask) -> the step's rows`` (checked against the bitmask)."""
@@ -188,7 +196,13 @@ def make_grammar_init(orig: Callable[..., Any], *, record_backend_name: bool) ->
 
 
 def make_grammar_bitmask(
-    orig: Callable[..., Any], *, rows: RowsNeeded, fill: FillRows, record: str | None = None
+    orig: Callable[..., Any],
+    *,
+    rows: RowsNeeded,
+    fill: FillRows,
+    record: str | None = None,
+    few: FewRows | None = None,
+    few_below: int = 0,
 ) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
 
@@ -197,7 +211,11 @@ def make_grammar_bitmask(
     replaced by one for a full batch of full windows (``max_num_seqs ×
     stride`` rows, or the step's need if more). ``record``, when given, names the manager
     attribute that gets the step's ``(grammar_req_ids, DraftMasks)``, or
-    ``None`` when vLLM's own loop produced the rows.
+    ``None`` when vLLM's own loop produced the rows. ``few``, when given,
+    serves a step of fewer than ``few_below`` grammar requests first
+    (binding the grammars, checking the buffer and the drafts itself, on
+    the manager's buffer as it is); where it returns ``None`` the step goes
+    the general way.
     """
 
     @wraps(orig)
@@ -213,13 +231,26 @@ def make_grammar_bitmask(
         if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         ids = list(structured_output_request_ids)
-        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
-        grammars = bind_grammars(requests, ids)
         # A reasoning parser that gates the grammar inside the window (and the
         # masked reasoning-end tokens that come with it), and diffusion models
         # (no bonus row), stay on vLLM's own loop over the same grammars.
-        reasoning_gate = self.reasoner_cls is not None and not self.enable_in_reasoning
-        if reasoning_gate or self.vllm_config.model_config.is_diffusion:
+        own_loop = (self.reasoner_cls is not None and not self.enable_in_reasoning) or (
+            self.vllm_config.model_config.is_diffusion
+        )
+        if few is not None and not own_loop and len(ids) < few_below:
+            # At a few requests each Python call between forward passes counts: one pass binds,
+            # checks and walks (the usual step at low concurrency).
+            done = few(self, requests, ids, scheduled_spec_decode_tokens)
+            if done is not None:
+                total, dm, grammars, view = done
+                if dm.failed:
+                    fail_requests(grammars, ids, dm.failed)
+                if record is not None:
+                    setattr(self, record, (ids, dm))
+                return view[:total]
+        # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
+        grammars = bind_grammars(requests, ids)
+        if own_loop:
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         stride = int(self.vllm_config.num_speculative_tokens) + 1
         need = rows(ids, scheduled_spec_decode_tokens, stride)

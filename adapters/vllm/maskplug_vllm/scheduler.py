@@ -18,7 +18,7 @@ parser that gates the grammar inside the draft window, and diffusion models.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,10 +29,17 @@ from maskplug.engines.sdk import fill_windows_serially
 from maskplug.grammar.sdk import Matcher
 
 from . import common
-from .backend import producer_matcher
+from .backend import MaskplugGrammar, producer_matcher
 from .host import draft_counts
 
-__all__ = ["DRAFT_MASKS_ATTR", "fill_step_bitmask", "fill_step_rows", "make_grammar_bitmask", "make_grammar_init"]
+__all__ = [
+    "DRAFT_MASKS_ATTR",
+    "few_rows",
+    "fill_step_bitmask",
+    "fill_step_rows",
+    "make_grammar_bitmask",
+    "make_grammar_init",
+]
 
 DRAFT_MASKS_ATTR = "_maskplug_draft_masks"
 """Attribute of vLLM's ``StructuredOutputManager`` holding the last step's ``(grammar_req_ids, DraftMasks)``
@@ -81,7 +88,7 @@ _MATCHER_TYPES: set[type] = set()
 
 def _fill_few(
     bitmask: torch.Tensor, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
-) -> tuple[int, DraftMasks] | None:
+) -> tuple[int, DraftMasks, np.ndarray] | None:
     """The rows of a step with few grammar requests, by :func:`maskplug.fill_draft_masks`'s own serial walk.
 
     The same walk, fault handling and result as ``fill_draft_masks(...,
@@ -92,19 +99,28 @@ def _fill_few(
     (the windows come straight from vLLM's lists), one bitmask check. The
     cut windows are walked in place in the full windows' rows (the rows after
     a cut are left unfilled, so they come out all-allowed, as in the general
-    path's copy). ``None`` when the step needs the general path's handling:
+    path's copy); the rows written, the draft masks and the buffer's numpy
+    view. ``None`` when the step needs the general path's handling:
     a matcher that is not a :class:`Matcher`, the same matcher twice, a
     matcher without a vocabulary or with another width, a draft id outside
     the vocabulary, or a bitmask the check refuses (the general path then
     raises or fails those requests, with its own messages).
     """
     g_count = len(grammar_req_ids)
-    keys = [id(m) for m in matchers]
-    if g_count == 0 or len(set(keys)) != g_count:
+    if g_count == 0 or len(matchers) != g_count:
         return None
-    vocabs = []
-    for m in matchers:
-        cls = type(m)
+    if g_count > 1 and len(set(map(id, matchers))) != g_count:
+        return None
+    # One pass: each matcher's type and vocabulary, its window cut at the first -1, its first row.
+    v0 = None
+    words = size = 0
+    windows: list[Sequence[int]] = []
+    row0: list[int] = []
+    total = 0
+    get = spec_tokens.get
+    for g in range(g_count):
+        m = matchers[g]
+        cls = m.__class__
         if cls not in _MATCHER_TYPES:
             if not isinstance(m, Matcher):
                 return None
@@ -112,17 +128,12 @@ def _fill_few(
         v = getattr(m, "vocab", None)
         if v is None:
             return None
-        vocabs.append(v)
-    v0 = vocabs[0]
-    words, size = v0.mask_words, v0.vocab_size
-    full: list[int] = []
-    windows: list[list[int]] = []
-    get = spec_tokens.get
-    for g, r in enumerate(grammar_req_ids):
-        v = vocabs[g]
-        if v is not v0 and (v.mask_words != words or v.vocab_size != size):
+        if v0 is None:
+            v0 = v
+            words, size = v.mask_words, v.vocab_size
+        elif v is not v0 and (v.mask_words != words or v.vocab_size != size):
             return None
-        d = get(r, ())
+        d = get(grammar_req_ids[g], ())
         n = len(d)
         k = n
         for p in range(n):
@@ -132,17 +143,42 @@ def _fill_few(
             if t < 0:
                 k = p
                 break
-        full.append(n)
-        windows.append(list(d[:k]))
-    row0 = [0] * g_count
-    total = 0
-    for g in range(g_count):
-        row0[g] = total
-        total += full[g] + 1
+        # The walk only reads its window: vLLM's own list serves when nothing is cut.
+        windows.append(d if k == n else d[:k])
+        row0.append(total)
+        total += n + 1
     buf = common.checked_buffer(bitmask, v0)
     if buf is None or total > buf[0]:
         return None
-    return total, fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1])
+    return total, fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1]), buf[1]
+
+
+def few_rows(
+    manager: Any, requests: Mapping[str, Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+) -> common.FewResult | None:
+    """:func:`fill_step_rows` of a step with few grammar requests, on the manager's buffer, binding as it goes.
+
+    What the wrapped ``grammar_bitmask`` would do for the step, with the
+    grammars bound and their matchers taken in one pass: ``None`` when a
+    grammar is not maskplug's or has failed, or :func:`_fill_few` declines
+    (the buffer too small or not yet checked among them); the general path
+    then produces the step.
+    """
+    grammars: list[Any] = []
+    matchers: list[Any] = []
+    for r in grammar_req_ids:
+        req = requests[r]
+        g = req.structured_output_request.grammar
+        if not isinstance(g, MaskplugGrammar) or g.error is not None:
+            return None
+        if g._request is None or g._request() is not req:
+            g.bind(req)
+        grammars.append(g)
+        matchers.append(g.matcher)
+    done = _fill_few(manager._grammar_bitmask, matchers, grammar_req_ids, spec_tokens)
+    if done is None:
+        return None
+    return done[0], done[1], grammars, done[2]
 
 
 def fill_step_rows(
@@ -166,7 +202,7 @@ def fill_step_rows(
     if g < SERIAL_BELOW:
         few = _fill_few(bitmask, matchers, list(grammar_req_ids), spec_tokens)
         if few is not None:
-            return few
+            return few[0], few[1]
     return _fill_general(bitmask, matchers, grammar_req_ids, spec_tokens)
 
 
@@ -224,4 +260,6 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         # Looked up at each step, so fill_step_rows can be instrumented in place.
         fill=lambda bitmask, grammars, ids, spec, stride: fill_step_rows(bitmask, grammars, ids, spec),
         record=DRAFT_MASKS_ATTR,
+        few=few_rows,
+        few_below=SERIAL_BELOW,
     )

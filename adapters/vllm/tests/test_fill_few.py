@@ -18,6 +18,7 @@ it does.
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +148,9 @@ def _general(bitmask: torch.Tensor, matchers: list[Any], ids: list[str], spec: d
 
 
 def _same(a: Any, b: Any) -> None:
-    total_a, dm_a = a
-    total_b, dm_b = b
+    # The fast path also hands back the buffer's numpy view (the rows the manager returns).
+    total_a, dm_a = a[:2]
+    total_b, dm_b = b[:2]
     assert total_a == total_b
     assert np.array_equal(dm_a.request, dm_b.request)
     assert np.array_equal(dm_a.acceptable, dm_b.acceptable)
@@ -171,6 +173,8 @@ def test_fast_path_equals_general_path(setup: Any, seed: int, monkeypatch: pytes
     if outside:
         assert fast is None
         fast = mp_sched._fill_general(bm_fast, fast_ms, ids, spec)
+    else:
+        assert fast is not None and np.shares_memory(fast[2], bm_fast.numpy()) and fast[2].shape == bm_fast.shape
     assert fast is not None
     slow = _general(bm_slow, slow_ms, ids, spec)
     _same(fast, slow)
@@ -253,3 +257,79 @@ def test_a_buffer_changed_in_place_is_checked_again(setup: Any) -> None:
     # A strided view of a valid buffer: not contiguous, refused.
     wide = torch.zeros((rows, words + 1), dtype=torch.int32)
     assert mp_sched._fill_few(wide[:, :words], ms, ids, spec) is None
+
+
+def _manager(backend: Any, rows: int, words: int) -> Any:
+    """A stand-in ``StructuredOutputManager`` with the attributes the wrapped ``grammar_bitmask`` reads."""
+    ns = types.SimpleNamespace
+    cfg = ns(num_speculative_tokens=4, scheduler_config=ns(max_num_seqs=8), model_config=ns(is_diffusion=False))
+    return ns(
+        backend=backend,
+        reasoner_cls=None,
+        enable_in_reasoning=False,
+        vllm_config=cfg,
+        _grammar_bitmask=torch.zeros((rows, words), dtype=torch.int32),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**31 - 1))
+def test_the_wrapped_manager_serves_few_requests_as_the_general_path(
+    setup: Any, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``grammar_bitmask`` with :func:`~maskplug_vllm.scheduler.few_rows` first: the general path's rows and outcome.
+
+    The rows it returns, the step's record, the grammars it binds and fails
+    and the matchers' states equal those of the same wrapper without the
+    few-request pass, for every fault kind; the pass serves every step
+    without an earlier-failed grammar or an id outside the vocabulary.
+    """
+    _, _, bases = setup
+    (fast_ms, slow_ms), ids, spec, kinds = _step(setup, seed)
+    words = fast_ms[0].vocab.mask_words
+    rows = len(ids) + sum(len(v) for v in spec.values())
+    backend = MaskplugBackend.__new__(MaskplugBackend)
+    backend.vocab = fast_ms[0].vocab
+    general_steps = []
+    fill_step_rows = mp_sched.fill_step_rows
+
+    def spy(*args: Any) -> Any:
+        general_steps.append(args)
+        return fill_step_rows(*args)
+
+    # The wrapper's general path (looked up at each step).
+    monkeypatch.setattr(mp_sched, "fill_step_rows", spy)
+    with_few = mp_sched.make_grammar_bitmask(lambda *a: None)
+    general = mp_sched.common.make_grammar_bitmask(
+        lambda *a: None,
+        rows=lambda ids, spec, stride: len(ids) + sum(len(spec.get(r, ())) for r in ids),
+        fill=lambda bm, grammars, ids, spec, stride: mp_sched._fill_general(
+            bm, [producer_matcher(g) for g in grammars], ids, spec
+        ),
+        record=mp_sched.DRAFT_MASKS_ATTR,
+    )
+    outs = []
+    for wrapper, ms in ((with_few, fast_ms), (general, slow_ms)):
+        grammars = []
+        for m, kind in zip(ms, kinds, strict=True):
+            g = MaskplugGrammar(m, bases[0].spec, m.vocab)
+            if kind == "failed":
+                g.error = GrammarError("earlier failure")
+            grammars.append(g)
+        requests = {
+            r: types.SimpleNamespace(request_id=r, structured_output_request=types.SimpleNamespace(grammar=g))
+            for r, g in zip(ids, grammars, strict=True)
+        }
+        mgr = _manager(backend, rows + 2, words)
+        got = wrapper(mgr, requests, list(ids), spec)
+        outs.append((np.array(got), getattr(mgr, mp_sched.DRAFT_MASKS_ATTR), grammars))
+    (rows_a, rec_a, gr_a), (rows_b, rec_b, gr_b) = outs
+    assert np.array_equal(rows_a, rows_b)
+    assert rec_a[0] == rec_b[0] == ids
+    _same((rows_a.shape[0], rec_a[1]), (rows_b.shape[0], rec_b[1]))
+    assert [g.request_id for g in gr_a] == [g.request_id for g in gr_b] == ids
+    assert [str(g.error) for g in gr_a] == [str(g.error) for g in gr_b]
+    for mf, msl in zip(fast_ms, slow_ms, strict=True):
+        assert _state(mf, words) == _state(msl, words)
+    outside = any(t >= tiny_model.VOCAB_SIZE for v in spec.values() for t in _window(v))
+    assert len(general_steps) == int("failed" in kinds or outside)

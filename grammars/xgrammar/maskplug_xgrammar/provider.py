@@ -298,12 +298,30 @@ class XGrammarMatcher(MatcherBase):
         self.provider = provider
         self.raw = raw
         self.batch_ops = provider.batch_ops
-        # xgrammar's own accept already returns a bool: bound here, every accept of an emitted token
-        # or a draft (an engine's per-step bookkeeping) runs one Python frame less.
-        self._accept = raw.accept_token  # type: ignore[method-assign]
+
+    @property
+    def raw(self) -> Any:
+        """The xgrammar ``GrammarMatcher`` this matcher drives."""
+        return self._raw
+
+    @raw.setter
+    def raw(self, raw: Any) -> None:
+        self._raw = raw
+        fast = ("_accept", "_fill", "_rollback")
+        if type(raw) is xgr.GrammarMatcher:
+            # xgrammar's own accept, fill and rollback take and return what maskplug's do (a bool
+            # for accept, "need apply" for fill): bound here, every accept of an emitted token or a
+            # draft, every mask row and every walk's rollback (an engine's per-step work) runs one
+            # Python frame less.
+            for name, call in zip(fast, (raw.accept_token, raw.fill_next_token_bitmask, raw.rollback), strict=True):
+                setattr(self, name, call)
+        else:
+            # Anything else (a subclass, a stand-in) is called through the methods below, which
+            # make the same calls on whatever ``raw`` holds.
+            for name in fast:
+                self.__dict__.pop(name, None)
 
     def _accept(self, token: int) -> bool:
-        # What each instance binds in __init__ (the same call); kept for calls through the class.
         return bool(self.raw.accept_token(token))
 
     def _rollback(self, n: int) -> None:
