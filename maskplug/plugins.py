@@ -84,6 +84,8 @@ class Registry:
         #: This registry's number in the process (a fresh registry, after :func:`reset_registry`, has a
         #: larger one): what was built from an earlier registry's factories is keyed on its number.
         self.generation = next(_generations)
+        #: pluggy's own list of ``maskplug_step_end`` implementations, once read (see :meth:`step_end_listened`).
+        self._step_end_impls: list[Any] | None = None
 
     # -- registration callbacks ------------------------------------------------
     def _claim(self, kind: str, name: str, plugin: str) -> None:
@@ -231,9 +233,16 @@ class Registry:
         where it has one (``get_hookimpls`` copies it), so a plugin registered
         at any time, through :meth:`add_plugin` or ``pm.register``, counts.
         """
-        caller = self.pm.hook.maskplug_step_end
-        impls = getattr(caller, "_hookimpls", None)
-        return bool(impls) if type(impls) is list else bool(caller.get_hookimpls())
+        impls = self._step_end_impls
+        if impls is None:
+            caller = self.pm.hook.maskplug_step_end
+            found = getattr(caller, "_hookimpls", None)
+            if type(found) is not list:
+                return bool(caller.get_hookimpls())
+            # pluggy changes this list in place when a plugin is registered or removed, and the
+            # hook's caller is made once with the hook specifications: kept, it stays current.
+            impls = self._step_end_impls = found
+        return bool(impls)
 
 
 _registry: Registry | None = None

@@ -245,6 +245,8 @@ def fill_windows_serially(
     bitmask: torch.Tensor,
     total: int,
     host: np.ndarray[Any, Any] | None = None,
+    *,
+    claim_matchers: bool = True,
 ) -> DraftMasks:
     """:func:`maskplug.fill_draft_masks` with ``strategy="serial"``, on inputs the caller has checked.
 
@@ -255,7 +257,7 @@ def fill_windows_serially(
     and its bonus row); ``total`` is the number of rows the step spans, and
     the rows below it that no request owns come out all-allowed (the
     producer's tail, as for the rows of drafts it does not reach). The
-    matchers are claimed for the call.
+    matchers are claimed for the call (see ``claim_matchers``).
 
     The caller guarantees, as :func:`maskplug.fill_draft_masks` would check:
     ``matchers`` are distinct :class:`~maskplug.grammar.Matcher` objects,
@@ -268,9 +270,18 @@ def fill_windows_serially(
     it; between an engine's forward passes making the view costs more than
     the walk's own bookkeeping at one request).
 
+    ``claim_matchers=False`` skips the claim, for an engine whose matchers
+    are its own and used on one thread only (vLLM's scheduler thread drives
+    every call on its requests' grammars): nothing then refuses a matcher
+    that another call is using, and the caller answers for that. Between an
+    engine's forward passes the claim and its release cost a few
+    microseconds at one request.
+
     Raises:
-        MatcherInUse: another thread's call holds one of the matchers.
+        MatcherInUse: another thread's call holds one of the matchers (with the claim).
     """
+    if not claim_matchers:
+        return walk_windows(matchers, windows, row0, bitmask, total, host)
     keys = [id(m) for m in matchers]
     held = claim(matchers, keys, "matchers")
     try:

@@ -128,6 +128,26 @@ def test_step_end_reaches_plugins(entry_points: list[FakeEntryPoint]) -> None:
     assert seen == [{"budget": 3}]
 
 
+def test_step_end_listened_follows_plugins_added_and_removed_after_the_first_question(
+    entry_points: list[FakeEntryPoint],
+) -> None:
+    """The answer is read once from pluggy's own list and stays current as plugins come and go."""
+    reg = mp.get_registry()
+    assert reg.step_end_listened() is False
+    assert reg.step_end_listened() is False  # asked again: the kept list
+    seen: list[Any] = []
+    observer = make_plugin(seen=seen)
+    reg.add_plugin(observer, "late-observer")
+    assert reg.step_end_listened() is True
+    reg.step_end({"budget": 1})
+    assert seen == [{"budget": 1}]
+    reg.pm.unregister(observer)
+    assert reg.step_end_listened() is False
+    # Registered with pluggy directly, not through add_plugin: it counts too.
+    reg.pm.register(make_plugin(seen=seen), name="direct")
+    assert reg.step_end_listened() is True
+
+
 def test_duplicate_name_is_recorded_and_the_first_owner_kept(entry_points: list[FakeEntryPoint]) -> None:
     first = RecordingKernel("shared")
     entry_points.append(FakeEntryPoint("a-first", lambda: make_plugin([first])))

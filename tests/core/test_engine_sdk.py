@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import types
 from typing import Any
 
@@ -12,7 +13,15 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from maskplug import GrammarError, GrammarRows, LayoutError, PluginError, ScheduledLayout, fill_draft_masks
+from maskplug import (
+    GrammarError,
+    GrammarRows,
+    LayoutError,
+    MatcherInUse,
+    PluginError,
+    ScheduledLayout,
+    fill_draft_masks,
+)
 from maskplug.engines import sdk as engine_sdk
 from maskplug.engines.sdk import (
     GuardedGrammar,
@@ -23,6 +32,7 @@ from maskplug.engines.sdk import (
     ragged_mapping,
     wraps,
 )
+from maskplug.grammar.jobs import claim, release
 from maskplug.grammar.sdk import (
     FailedMatcher,
     GrammarSpec,
@@ -211,6 +221,44 @@ def test_fill_windows_serially_opens_the_rows_between_windows() -> None:
     alone = torch.zeros((2, v.mask_words), dtype=torch.int32)
     fill_windows_serially(ms[1:], [[b]], [0], alone, 2)
     assert torch.equal(bm[5:7], alone) and dm.acceptable.tolist() == [2, 1]
+
+
+def test_fill_windows_serially_claims_its_matchers_unless_told_not_to() -> None:
+    """Claimed (the default), a matcher another thread's call holds is refused, nothing written;
+    with ``claim_matchers=False`` the same rows and result come out and no claim is left behind."""
+    v = _vocab()
+    a, b = v.tokens.index(b"a"), v.tokens.index(b"b")
+    ms = _matchers(v, 2)
+    windows = [[a, b], [b]]
+    want = torch.zeros((5, v.mask_words), dtype=torch.int32)
+    ref = fill_windows_serially(ms, windows, [0, 3], want, 5)
+    held: list[Any] = []
+    taken, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.append(claim([ms[1]], [id(ms[1])], "matchers"))
+        taken.set()
+        done.wait(10)
+        release(held[0])
+
+    t = threading.Thread(target=hold, name="holder")
+    t.start()
+    try:
+        assert taken.wait(10)
+        bm = torch.full((5, v.mask_words), 7, dtype=torch.int32)
+        with pytest.raises(MatcherInUse, match=r"matchers\[1\]"):
+            fill_windows_serially(ms, windows, [0, 3], bm, 5)
+        assert bool((bm == 7).all())
+    finally:
+        done.set()
+        t.join()
+    got = torch.zeros_like(want)
+    dm = fill_windows_serially(ms, windows, [0, 3], got, 5, claim_matchers=False)
+    assert torch.equal(got, want) and dm.acceptable.tolist() == ref.acceptable.tolist() == [2, 1]
+    # Nothing is held: a claimed call right after takes both matchers.
+    again = torch.zeros_like(want)
+    fill_windows_serially(ms, windows, [0, 3], again, 5)
+    assert torch.equal(again, want)
 
 
 def test_fill_row_writes_the_matchers_row_until_the_matcher_raises() -> None:

@@ -633,6 +633,13 @@ class _Controller:
         finished = so.finished_req_ids
         if finished:
             self.confidences.forget(list(finished))
+        if not get_registry().step_end_listened():
+            # _tally's usual case, without its call (this runs every step, between forward passes).
+            unfolded = self.unfolded
+            unfolded.append((total, total, num_emitted, num_accepted, structured, "full"))
+            if len(unfolded) >= FOLD_EVERY:
+                self.fold()
+            return
         self._tally(
             total, total, num_emitted, num_accepted, structured, "full", len(nst), num_grammar, len(finished or ())
         )

@@ -92,8 +92,9 @@ def checked_buffer(bitmask: torch.Tensor, vocab: Any) -> tuple[int, np.ndarray] 
     ``.data``, the one change the counter does not see.
     """
     global _buffer
-    b = _known(bitmask)
-    if b is not None and b[3] == vocab.mask_words:
+    b = _buffer
+    # _known's test, written out: this runs every step.
+    if b is not None and b[0] is bitmask and bitmask._version == b[1] and b[3] == vocab.mask_words:
         return b[2], b[4]
     try:
         check_bitmask(bitmask, 0, vocab)
@@ -226,9 +227,9 @@ def make_grammar_bitmask(
         scheduled_spec_decode_tokens: dict[str, list[int]],
     ) -> Any:
         backend = self.backend
-        if record is not None:
-            setattr(self, record, None)
         if not structured_output_request_ids or not isinstance(backend, MaskplugBackend):
+            if record is not None:
+                setattr(self, record, None)
             return orig(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
         ids = list(structured_output_request_ids)
         # A reasoning parser that gates the grammar inside the window (and the
@@ -248,6 +249,8 @@ def make_grammar_bitmask(
                 if record is not None:
                     setattr(self, record, (ids, dm))
                 return view[:total]
+        if record is not None:
+            setattr(self, record, None)  # until this step's rows are made
         # Each grammar learns its request (its id and stop_reason when it fails), also for vLLM's own loop.
         grammars = bind_grammars(requests, ids)
         if own_loop:

@@ -150,7 +150,10 @@ def _fill_few(
     buf = common.checked_buffer(bitmask, v0)
     if buf is None or total > buf[0]:
         return None
-    return total, fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1]), buf[1]
+    # No claim: a request's grammar lives in vLLM's scheduler, whose thread makes every call on its
+    # matcher (vLLM's own accept, validate and rollback included, which no claim guards either).
+    dm = fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1], claim_matchers=False)
+    return total, dm, buf[1]
 
 
 def few_rows(
