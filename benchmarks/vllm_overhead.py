@@ -258,6 +258,12 @@ def serve(cfg: dict[str, Any]) -> None:
         cmd = json.loads(line)
         if switch is not None:
             switch.to(cmd["mode"])
+        if cmd.get("warm"):
+            # Untimed: the engine's first run at a concurrency after another one runs slower (shapes,
+            # allocator, caches); one engine process serving every mode gives it to one mode only.
+            tiny.closed_loop(engine, make(cmd["c"], 10_000 + cmd["c"]), cmd["c"], 8, f"warm-{cmd['round']}")
+            _answer({})
+            continue
         reqs = make(cmd["n"], cmd["seed"])
         timers.reset()
         timers.on = bool(cmd.get("profile"))
@@ -386,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                 profile = rnd >= args.rounds
                 for c in conc:
                     order = modes[rnd % len(modes) :] + modes[: rnd % len(modes)]
+                    if args.switch and len(conc) > 1:
+                        # Separate engines each meet the concurrency change in their own run; one
+                        # engine serving every mode warms up at the new concurrency untimed first.
+                        engines[order[0]].ask({"c": c, "round": rnd, "mode": order[0], "warm": True})
                     digests = {}
                     for m in order:
                         res = engines[m].ask(
