@@ -265,6 +265,10 @@ def serve(cfg: dict[str, Any]) -> None:
             _answer({})
             continue
         reqs = make(cmd["n"], cmd["seed"])
+        # Every run starts without cached prompts: a round's first run would otherwise fill vLLM's
+        # prefix cache for the others (one engine serving every mode shares it; separate engines
+        # each hold what the warm-up left).
+        engine.reset_prefix_cache()
         timers.reset()
         timers.on = bool(cmd.get("profile"))
         res = tiny.closed_loop(engine, reqs, cmd["c"], cmd["max_tokens"], f"r{cmd['round']}-{cmd['c']}")

@@ -14,7 +14,7 @@ then completes the step exactly as the general producer does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -173,6 +173,8 @@ def walk_windows(
             # The unchecked forms where the class keeps the public ones (walk_calls and
             # rollback_walked, asked once per request here).
             plain = plain_matcher_type(m.__class__)
+            fill: Callable[[torch.Tensor, int], object]
+            accept: Callable[[int], bool]
             if plain:
                 base = cast(MatcherBase, m)
                 fill, accept = base._fill_row, base._accept_id

@@ -8,7 +8,10 @@ Two methods of vLLM's manager are wrapped (see :mod:`maskplug_vllm.patches`):
 * ``grammar_bitmask`` fills the step's mask rows with
   :func:`maskplug.fill_draft_masks` (ragged: ``len(drafts) + 1`` rows per
   grammar request, in the scheduler's order, exactly the rows vLLM's workers
-  expect), batching the fills of all requests of a provider per position.
+  expect), batching the fills of all requests of a provider per position;
+  below :data:`SERIAL_BELOW` grammar requests :func:`few_rows` binds, checks
+  and walks the step in one pass first (the usual step at low concurrency,
+  where each Python call between forward passes counts).
 
 Steps this producer does not cover fall back to vLLM's own loop, which drives
 the same maskplug grammars through vLLM's grammar interface: a reasoning
