@@ -120,33 +120,10 @@ def _register_test_plugin() -> dict[str, int]:
 
 def _instrument() -> dict[str, int]:
     """Count the draft rows maskplug's producer filled."""
-    import maskplug_vllm.scheduler as mp_sched
+    import tiny_model
 
     counts = {"fill_calls": 0, "draft_rows": 0}
-
-    # The producer's steps, on every path: a step is served by the few-request walk (_fill_few,
-    # from the wrapper's one-pass path or from fill_step_rows) or by the general path (_fill_general),
-    # exactly one of them; _fill_few declining (None) sends the step on to the other.
-    real_few, real_general = mp_sched._fill_few, mp_sched._fill_general
-
-    def count(grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> None:
-        counts["fill_calls"] += 1
-        counts["draft_rows"] += sum(len(spec_tokens.get(r, ())) for r in grammar_req_ids)
-
-    def few(bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> Any:
-        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens)
-        if out is not None:
-            count(grammar_req_ids, spec_tokens)
-        return out
-
-    def general(
-        bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
-    ) -> Any:
-        count(grammar_req_ids, spec_tokens)
-        return real_general(bitmask, matchers, grammar_req_ids, spec_tokens)
-
-    mp_sched._fill_few = few
-    mp_sched._fill_general = general
+    tiny_model.count_producer_steps(counts)
     return counts
 
 

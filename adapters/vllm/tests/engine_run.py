@@ -35,39 +35,17 @@ MAX_TOKENS = 160
 def _instrument() -> dict[str, int]:
     """Count maskplug's work inside the engine (only meaningful with the adapter enabled)."""
     import maskplug_vllm.common as mp_common
-    import maskplug_vllm.scheduler as mp_sched
+    import tiny_model
 
     counts = {"fill_calls": 0, "draft_rows": 0, "apply_calls": 0, "applied_rows": 0}
     real_apply = mp_common.apply_grammar_bitmask
-
-    # The producer's steps, on every path: a step is served by the few-request walk (_fill_few,
-    # from the wrapper's one-pass path or from fill_step_rows) or by the general path (_fill_general),
-    # exactly one of them; _fill_few declining (None) sends the step on to the other.
-    real_few, real_general = mp_sched._fill_few, mp_sched._fill_general
-
-    def count(grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> None:
-        counts["fill_calls"] += 1
-        counts["draft_rows"] += sum(len(spec_tokens.get(r, ())) for r in grammar_req_ids)
-
-    def few(bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> Any:
-        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens)
-        if out is not None:
-            count(grammar_req_ids, spec_tokens)
-        return out
-
-    def general(
-        bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
-    ) -> Any:
-        count(grammar_req_ids, spec_tokens)
-        return real_general(bitmask, matchers, grammar_req_ids, spec_tokens)
+    tiny_model.count_producer_steps(counts)
 
     def apply(logits: Any, bitmask: Any, mapping: Any, cu: Any, **kw: Any) -> None:
         counts["apply_calls"] += 1
         counts["applied_rows"] += len(mapping)
         real_apply(logits, bitmask, mapping, cu, **kw)
 
-    mp_sched._fill_few = few
-    mp_sched._fill_general = general
     mp_common.apply_grammar_bitmask = apply
     return counts
 

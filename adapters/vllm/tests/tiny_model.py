@@ -321,3 +321,35 @@ def run_script(
     if proc.returncode != 0:
         raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def count_producer_steps(counts: dict[str, int]) -> None:
+    """Count maskplug's producer steps into ``counts["fill_calls"]`` and their drafts into ``counts["draft_rows"]``.
+
+    Every path: a step is served by the few-request walk (``_fill_few``, from
+    the wrapped manager's one-pass path or from ``fill_step_rows``) or by the
+    general path (``_fill_general``), exactly one of them; ``_fill_few``
+    declining (``None``) sends the step on to the other.
+    """
+    import maskplug_vllm.scheduler as mp_sched
+
+    real_few, real_general = mp_sched._fill_few, mp_sched._fill_general
+
+    def count(grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> None:
+        counts["fill_calls"] += 1
+        counts["draft_rows"] += sum(len(spec_tokens.get(r, ())) for r in grammar_req_ids)
+
+    def few(bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> Any:
+        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens)
+        if out is not None:
+            count(grammar_req_ids, spec_tokens)
+        return out
+
+    def general(
+        bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+    ) -> Any:
+        count(grammar_req_ids, spec_tokens)
+        return real_general(bitmask, matchers, grammar_req_ids, spec_tokens)
+
+    mp_sched._fill_few = few  # type: ignore[assignment]
+    mp_sched._fill_general = general
