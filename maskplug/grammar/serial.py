@@ -14,7 +14,7 @@ then completes the step exactly as the general producer does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -23,11 +23,10 @@ import torch
 
 from ..draftmasks import DraftMasks, served
 from .assembly import assemble, row_counts
-from .bases import MatcherBase, plain_matcher_type
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
-from .walks import Walk, fail_request, rollback_error
+from .walks import Walk, fail_request, rollback_error, walk_calls
 
 __all__ = ["walk_windows"]
 
@@ -97,15 +96,14 @@ def _served_plain(acceptable: list[int], width: int) -> DraftMasks:
     the result costs more than finding it.
     """
     g_count = len(acceptable)
-    if g_count > _SHARE_UP_TO:
-        return served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width))
-    key = (width, *acceptable)
-    dm = _SERVED.get(key)
+    key = (width, *acceptable) if g_count <= _SHARE_UP_TO else None
+    dm = _SERVED.get(key) if key is not None else None
     if dm is None:
         dm = served(_arange(g_count), _small_ints(acceptable), _no_forced(g_count, width))
-        if len(_SERVED) >= 4096:
-            _SERVED.clear()
-        _SERVED[key] = dm
+        if key is not None:
+            if len(_SERVED) >= 4096:
+                _SERVED.clear()
+            _SERVED[key] = dm
     return dm
 
 
@@ -170,16 +168,7 @@ def walk_windows(
     try:
         for g in range(g_count):
             m = matchers[g]
-            # The unchecked forms where the class keeps the public ones (walk_calls and
-            # rollback_walked, asked once per request here).
-            plain = plain_matcher_type(m.__class__)
-            fill: Callable[[torch.Tensor, int], object]
-            accept: Callable[[int], bool]
-            if plain:
-                base = cast(MatcherBase, m)
-                fill, accept = base._fill_row, base._accept_id
-            else:
-                fill, accept = m.fill, m.accept
+            fill, accept, rollback = walk_calls(m)
             d, e, r0 = windows[g], eos[g], row0[g]
             nd = len(d)
             took, p, filling, hi = 0, 0, True, -1
@@ -211,10 +200,7 @@ def walk_windows(
             if took:
                 k, took = took, 0
                 try:
-                    if plain:
-                        cast(MatcherBase, m)._rollback_walked(k)
-                    else:
-                        m.rollback(k)
+                    rollback(k)
                 except Exception as exc:
                     if walk is None:
                         walk = _general(matchers, windows, row0, bitmask, total, vocabs)

@@ -186,7 +186,7 @@ def walk_one(w: Walk, g: int) -> None:
     driven through their unchecked forms (:func:`~maskplug.grammar.bases.plain_matcher_type`).
     """
     m = w.matchers[g]
-    fill, accept = walk_calls(m)
+    fill, accept, _ = walk_calls(m)
     eos, bitmask = w.eos[g], w.bitmask
     nd, need, gate, row0 = int(w.nd[g]), int(w.need[g]), int(w.gate[g]), int(w.row0[g])
     d: list[int] = w.d[g, :nd].tolist() if nd else []
@@ -251,12 +251,17 @@ def rollback_request(w: Walk, g: int, k: int | None = None) -> None:
         w.errors[g] = rollback_error(g, k, exc)
 
 
-def walk_calls(m: Matcher) -> tuple[Any, Any]:
-    """The ``fill`` and ``accept`` a walk calls on checked inputs: the unchecked forms where the class keeps the public ones."""
+def walk_calls(m: Matcher) -> tuple[Any, Any, Any]:
+    """The ``fill``, ``accept`` and ``rollback`` a walk calls on checked inputs.
+
+    The unchecked forms (``rollback`` of what the walk accepted: see
+    :func:`rollback_walked`) where the class keeps the public ones; the
+    matcher's type is asked once for all three.
+    """
     if plain_matcher_type(type(m)):
         base = cast(MatcherBase, m)
-        return base._fill_row, base._accept_id
-    return m.fill, m.accept
+        return base._fill_row, base._accept_id, base._rollback_walked
+    return m.fill, m.accept, m.rollback
 
 
 def rollback_walked(m: Matcher, k: int) -> None:
