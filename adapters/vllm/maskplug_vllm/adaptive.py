@@ -335,6 +335,25 @@ class _Plan:
         return self._capacity
 
 
+#: Where each counter sits in :attr:`_Controller.counts` (the metrics file's order, :data:`metrics.FIELDS`).
+_STEPS, _FULL, _PARTIAL, _ZERO, _SCHEDULED, _VERIFIED, _ACCEPTED, _EMITTED, _STRUCTURED, _BUDGET = range(10)
+_REGIME_AT = {"full": _FULL, "partial": _PARTIAL, "zero": _ZERO}
+assert metrics.FIELDS[_FULL] == "regime_full" and metrics.FIELDS[_BUDGET] == "budget" and len(metrics.FIELDS) == 10
+
+
+def _stats_of(c: Sequence[int]) -> dict[str, Any]:
+    """The counters of :func:`step_stats` from :attr:`_Controller.counts`."""
+    return {
+        "steps": c[_STEPS],
+        "regimes": {"full": c[_FULL], "partial": c[_PARTIAL], "zero": c[_ZERO]},
+        "drafts_scheduled": c[_SCHEDULED],
+        "drafts_verified": c[_VERIFIED],
+        "drafts_accepted": c[_ACCEPTED],
+        "tokens_emitted": c[_EMITTED],
+        "structured_steps": c[_STRUCTURED],
+    }
+
+
 def _new_stats() -> dict[str, Any]:
     return {
         "steps": 0,
@@ -397,13 +416,25 @@ class _Controller:
         self.scheduler = scheduler  # also sets verifies_all
         self.name = name
         self.cost = cost
-        self.stats = _new_stats()
+        #: The step counters in the metrics file's order (:data:`metrics.FIELDS`), added to by the
+        #: engine core's thread alone, on every step; :attr:`stats` reads them as a dict.
+        self.counts: list[int] = [0] * len(metrics.FIELDS)
+        #: ``counts[_STEPS]`` when the counters were last written to the metrics file (:meth:`publish`).
+        self.published = 0
         self.confidences = DraftConfidences()
         self.metrics: StepMetrics | None = None
         self.offsets: dict[str, int] = {}
         self.lock = threading.Lock()
-        #: Steps counted but not yet added to :attr:`stats` and the metrics file (see :meth:`_tally`).
-        self.unfolded: list[tuple[int, int, int, int, bool, str]] = []
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The counters as :func:`step_stats` gives them (a new dict, without ``scheduler``)."""
+        return _stats_of(list(self.counts))
+
+    @property
+    def unpublished(self) -> int:
+        """Steps counted since the metrics file was last written."""
+        return self.counts[_STEPS] - self.published
 
     @property
     def scheduler(self) -> Scheduler:
@@ -532,8 +563,8 @@ class _Controller:
         """
         if finished:
             self.forget(finished)
-        if self.unfolded:
-            self.fold()
+        if self.counts[_STEPS] != self.published:
+            self.publish()
 
     # Step 3, in the engine core: the sampled tokens came back from the workers.
     def finish(self, plan: _Plan, output: Any) -> None:
@@ -592,31 +623,45 @@ class _Controller:
         """Count a ``verify-all`` step that was not planned, from vLLM's scheduler and runner outputs.
 
         What :meth:`plan` and :meth:`finish` would count for it (every draft
-        verified, the regime ``full``), read in one pass over the step's
-        requests: the built-in ``verify-all`` learns nothing, so the engine
-        core keeps no plan between the two calls (the requests that finished
-        are forgotten here too). ``gids`` are the step's
-        grammar requests when its grammar output is at hand, else they are
-        found in ``requests``, the scheduler's own map, as vLLM finds them.
+        verified, the regime ``full``), read off the step's outputs: the
+        built-in ``verify-all`` learns nothing, so the engine core keeps no
+        plan between the two calls (the requests that finished are forgotten
+        here too). ``gids`` are the step's grammar requests when its grammar
+        output is at hand, else they are found in ``requests``, the
+        scheduler's own map, as vLLM finds them.
         """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
         sampled = getattr(output, "sampled_token_ids", None) or []
         index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
-        num_sampled = len(sampled)
-        get, drafts_of = index.get, spec.get
-        total = num_emitted = num_accepted = 0
-        for r in nst:
-            d = drafts_of(r)
-            nd = len(d) if d else 0
-            total += nd
-            j = get(r)
-            if j is None or j >= num_sampled:
-                continue
-            e = len(sampled[j])
-            num_emitted += e
-            if e > 1 and nd:
-                num_accepted += min(e - 1, nd)
+        drafts_of = spec.get
+        n = len(nst)
+        if len(sampled) == n == len(index) and index.keys() == nst.keys() and spec.keys() <= nst.keys():
+            # vLLM's usual step: one sampled list per scheduled request (its runner's batch rows),
+            # drafts only for scheduled requests. Counted in C-level passes, no loop per request: a
+            # request emits its accepted drafts and one token more (vLLM's rejection sampler, whose
+            # acceptance vLLM's own counters read the same way), a prefill chunk nothing.
+            lens = list(map(len, sampled))
+            num_emitted = sum(lens)
+            num_accepted = num_emitted - n + lens.count(0)
+            total = sum(map(len, spec.values()))
+        else:
+            # Requests the runner no longer holds, or rows that are not the scheduled requests':
+            # each scheduled request read on its own.
+            get = index.get
+            num_sampled = len(sampled)
+            total = num_emitted = num_accepted = 0
+            for r in nst:
+                d = drafts_of(r)
+                nd = len(d) if d else 0
+                total += nd
+                j = get(r)
+                if j is None or j >= num_sampled:
+                    continue
+                e = len(sampled[j])
+                num_emitted += e
+                if e > 1 and nd:
+                    num_accepted += min(e - 1, nd)
         structured = False
         num_grammar = 0
         if gids is not None:
@@ -635,14 +680,20 @@ class _Controller:
             self.confidences.forget(list(finished))
         if not get_registry().step_end_listened():
             # _tally's usual case, without its call (this runs every step, between forward passes).
-            unfolded = self.unfolded
-            unfolded.append((total, total, num_emitted, num_accepted, structured, "full"))
-            if len(unfolded) >= FOLD_EVERY:
-                self.fold()
+            c = self.counts
+            c[_STEPS] += 1
+            c[_SCHEDULED] += total
+            c[_VERIFIED] += total
+            c[_ACCEPTED] += num_accepted
+            c[_EMITTED] += num_emitted
+            c[_BUDGET] = total
+            if structured:
+                c[_FULL] += 1
+                c[_STRUCTURED] += 1
+            if c[_STEPS] - self.published >= FOLD_EVERY:
+                self.publish()
             return
-        self._tally(
-            total, total, num_emitted, num_accepted, structured, "full", len(nst), num_grammar, len(finished or ())
-        )
+        self._tally(total, total, num_emitted, num_accepted, structured, "full", n, num_grammar, len(finished or ()))
 
     def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
         """Add a finished step to the counters and metrics, and tell ``maskplug_step_end`` listeners."""
@@ -672,25 +723,32 @@ class _Controller:
     ) -> None:
         """:meth:`_count` of a step given by its figures (a verify-all step has no plan to read them from).
 
-        Without ``maskplug_step_end`` listeners the step's figures are only
-        appended to :attr:`unfolded`; :meth:`fold` adds them to the counters
-        and the metrics file every :data:`FOLD_EVERY` steps, at the end of a
-        step in which a request finished (before its output leaves the
-        engine core), when the engine runs an empty step and whenever the
-        counters are read (:func:`step_stats`). Counting each step
-        on its own (the lock, seven counters, the metrics file) cost 4–5 µs
-        more per step at one request in the engine (``benchmarks/RESULTS.md``),
-        where the code runs cold between model steps; in a batch it costs a
-        fraction.
+        The figures are added to :attr:`counts`; without ``maskplug_step_end``
+        listeners the metrics file is written (:meth:`publish`) every
+        :data:`FOLD_EVERY` steps, at the end of a step in which a request
+        finished (before its output leaves the engine core), when the engine
+        runs an empty step, and by :func:`step_stats` in the engine's process.
+        Writing the file on every step cost 4–5 µs more per step at one
+        request in the engine (``benchmarks/RESULTS.md``), where the code
+        runs cold between model steps.
         """
-        unfolded = self.unfolded
-        unfolded.append((scheduled, budget, num_emitted, num_accepted, structured, regime))
-        if not get_registry().step_end_listened():
-            if len(unfolded) >= FOLD_EVERY:
-                self.fold()
+        c = self.counts
+        c[_STEPS] += 1
+        c[_SCHEDULED] += scheduled
+        c[_VERIFIED] += budget
+        c[_ACCEPTED] += num_accepted
+        c[_EMITTED] += num_emitted
+        c[_BUDGET] = budget
+        if structured:
+            c[_REGIME_AT[regime]] += 1
+            c[_STRUCTURED] += 1
+        registry = get_registry()
+        if not registry.step_end_listened():
+            if c[_STEPS] - self.published >= FOLD_EVERY:
+                self.publish()
             return
-        step = self.fold()  # every step so far counted, so the record carries its own step number
-        get_registry().step_end(
+        step = self.publish()  # every step counted and published: the record carries its own step number
+        registry.step_end(
             {
                 "step": step - 1,
                 "scheduler": self.name,
@@ -706,34 +764,18 @@ class _Controller:
             }
         )
 
-    def fold(self) -> int:
-        """Add the :attr:`unfolded` steps to :attr:`stats` and publish them; returns the steps counted.
+    def publish(self) -> int:
+        """Write :attr:`counts` to the metrics file (when there is one); returns the steps counted.
 
-        Called on the engine core's thread (the only one that appends), or
-        by a reader under :attr:`lock` when that thread appends nothing (the
-        in-process engine between steps).
+        Called on the engine core's thread: the counters of every step so far
+        become readable by other processes (the OpenAI server's Prometheus
+        collector, :func:`step_stats` there).
         """
-        with self.lock:
-            st = self.stats
-            unfolded = self.unfolded
-            n = len(unfolded)
-            if not n:
-                return int(st["steps"])
-            regimes = st["regimes"]
-            budget = 0
-            for scheduled, budget, num_emitted, num_accepted, structured, regime in unfolded[:n]:
-                st["drafts_scheduled"] += scheduled
-                st["drafts_verified"] += budget
-                st["drafts_accepted"] += num_accepted
-                st["tokens_emitted"] += num_emitted
-                if structured:
-                    st["structured_steps"] += 1
-                    regimes[regime] += 1
-            del unfolded[:n]
-            steps = st["steps"] = st["steps"] + n
-            if self.metrics is not None:
-                self.metrics.publish(st, budget)
-            return int(steps)
+        c = self.counts
+        if self.metrics is not None:
+            self.metrics.write(c)
+        steps = self.published = c[_STEPS]
+        return steps
 
 
 def _probed(
@@ -809,10 +851,10 @@ _GRAMMAR_IDS_ATTR = "_maskplug_grammar_ids"
 
 _MAX_PENDING = 16
 
-#: The most steps :meth:`_Controller._tally` keeps before adding them to the counters and the metrics
-#: file (Prometheus and :func:`step_stats` in other processes lag the engine by at most this many
-#: steps while requests run; every step up to a request's end is counted before its output leaves
-#: the engine core, and an engine that falls idle has counted everything).
+#: The most steps the engine core counts before writing its counters to the metrics file
+#: (:meth:`_Controller.publish`): Prometheus and :func:`step_stats` in other processes lag the engine
+#: by at most this many steps while requests run; every step up to a request's end is published
+#: before its output leaves the engine core, and an engine that falls idle has published everything.
 FOLD_EVERY = 16
 
 
@@ -918,10 +960,10 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
                     # scheduler became verify-all: its grammar requests are found in the scheduler's map.
                     ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)
-        if ctl is not None and ctl.unfolded and getattr(self, "finished_req_ids", True):
-            # A request ended in this step: its steps are counted before its output leaves the
+        if ctl is not None and ctl.counts[_STEPS] != ctl.published and getattr(self, "finished_req_ids", True):
+            # A request ended in this step: its steps are published before its output leaves the
             # engine core (a client that reads the metrics after its answer sees them).
-            ctl.fold()
+            ctl.publish()
         return out
 
     return wraps(orig)(update_from_output)
@@ -1179,12 +1221,13 @@ def step_stats() -> dict[str, Any]:
         out = _new_stats()
         out["scheduler"] = None
         return out
-    if ctl.unfolded:
-        ctl.fold()
     with ctl.lock:
-        if ctl.metrics is None and (engines := metrics.read_metrics()):
-            return _from_files(engines, ctl.offsets, ctl.name)
-        out = {k: dict(v) if isinstance(v, dict) else v for k, v in ctl.stats.items()}
+        if ctl.metrics is None:
+            if engines := metrics.read_metrics():
+                return _from_files(engines, ctl.offsets, ctl.name)
+        elif ctl.counts[_STEPS] != ctl.published:
+            ctl.publish()  # the engine's own process: its file says what the counters say
+        out = ctl.stats
         out["scheduler"] = ctl.name
     return out
 
@@ -1214,8 +1257,10 @@ def reset_step_stats() -> None:
     if ctl is None:
         return
     with ctl.lock:
-        ctl.stats = _new_stats()
-        ctl.unfolded.clear()
+        ctl.counts[:] = [0] * len(ctl.counts)
+        if ctl.metrics is not None:
+            ctl.publish()
+        ctl.published = 0
         if ctl.metrics is None and (engines := metrics.read_metrics()):
             # The engine cores' files keep counting; from now on they are read from here.
             now = _from_files(engines, {}, ctl.name)

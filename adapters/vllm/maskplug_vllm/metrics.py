@@ -35,18 +35,18 @@ import mmap
 import os
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["METRICS_DIR_ENV", "StepMetrics", "ensure_metrics_dir", "read_metrics", "register_collector"]
+__all__ = ["FIELDS", "METRICS_DIR_ENV", "StepMetrics", "ensure_metrics_dir", "read_metrics", "register_collector"]
 
 METRICS_DIR_ENV = "MASKPLUG_VLLM_METRICS_DIR"
 """Folder of the engine cores' counter files (set by the adapter in the first process; inherited)."""
 
-_FIELDS = (
+FIELDS = (
     "steps",
     "regime_full",
     "regime_partial",
@@ -58,9 +58,10 @@ _FIELDS = (
     "structured_steps",
     "budget",
 )
-_SIZE = 8 * len(_FIELDS)
-#: The counters' layout in the file: native int64s in :data:`_FIELDS` order (what the reader's numpy view reads).
-_PACK = struct.Struct(f"={len(_FIELDS)}q")
+"""The counters in an engine core's file, in order: native int64s (what :meth:`StepMetrics.write` takes)."""
+_SIZE = 8 * len(FIELDS)
+#: The counters' layout in the file: native int64s in :data:`FIELDS` order (what the reader's numpy view reads).
+_PACK = struct.Struct(f"={len(FIELDS)}q")
 _tmp: tempfile.TemporaryDirectory[str] | None = None
 
 
@@ -95,23 +96,27 @@ class StepMetrics:
         os.replace(tmp, side)
 
     def publish(self, stats: Mapping[str, Any], budget: int) -> None:
-        """Write the counters (``stats`` as :func:`maskplug_vllm.step_stats` keeps them) and the last budget."""
+        """Write the counters (``stats`` as :func:`maskplug_vllm.step_stats` gives them) and the last budget."""
         regimes = stats["regimes"]
-        # One packed write into the map: a numpy assignment from a tuple costs several times more per step.
-        _PACK.pack_into(
-            self._map,
-            0,
-            stats["steps"],
-            regimes["full"],
-            regimes["partial"],
-            regimes["zero"],
-            stats["drafts_scheduled"],
-            stats["drafts_verified"],
-            stats["drafts_accepted"],
-            stats["tokens_emitted"],
-            stats["structured_steps"],
-            budget,
+        self.write(
+            (
+                stats["steps"],
+                regimes["full"],
+                regimes["partial"],
+                regimes["zero"],
+                stats["drafts_scheduled"],
+                stats["drafts_verified"],
+                stats["drafts_accepted"],
+                stats["tokens_emitted"],
+                stats["structured_steps"],
+                budget,
+            )
         )
+
+    def write(self, counts: Sequence[int]) -> None:
+        """Write ten counters in the file's order (:data:`FIELDS`: ``steps`` first, ``budget`` last)."""
+        # One packed write into the map: a numpy assignment from a tuple costs several times more per step.
+        _PACK.pack_into(self._map, 0, *counts)
 
 
 def read_metrics(folder: Path | None = None) -> dict[str, dict[str, Any]]:
@@ -126,7 +131,7 @@ def read_metrics(folder: Path | None = None) -> dict[str, dict[str, Any]]:
         data = f.read_bytes()
         if len(data) != _SIZE:
             continue
-        values = dict(zip(_FIELDS, np.frombuffer(data, dtype=np.int64).tolist(), strict=True))
+        values = dict(zip(FIELDS, np.frombuffer(data, dtype=np.int64).tolist(), strict=True))
         try:
             values["scheduler"] = json.loads(f.with_suffix(".json").read_text()).get("scheduler", "")
         except (OSError, ValueError):

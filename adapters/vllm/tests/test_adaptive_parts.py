@@ -170,10 +170,11 @@ def _sums(steps: list[tuple[int, int, int, int, bool, str]]) -> dict[str, Any]:
 def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without ``maskplug_step_end`` listeners the counters and the metrics file are written in batches.
+    """Without ``maskplug_step_end`` listeners the metrics file is written in batches.
 
-    At most :data:`adaptive.FOLD_EVERY` steps wait; the end of a step in which
-    a request finished, an empty step and a read of :func:`step_stats` count
+    The counters move on every step; at most :data:`adaptive.FOLD_EVERY`
+    steps wait to be published; the end of a step in which a request
+    finished, an empty step, a read of :func:`step_stats` and a reset publish
     everything at once; the totals equal a sum of every step's figures.
     """
     ctl = adaptive._Controller(GoodputScheduler(), "goodput", CostModel.linear())
@@ -198,21 +199,21 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
         ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, 0)
         update(sched, so_step, None)
         seen.append((nd, b, acc, emitted, structured, regime))
-        assert len(ctl.unfolded) < adaptive.FOLD_EVERY
+        assert ctl.unpublished < adaptive.FOLD_EVERY
         on_file = metrics.read_metrics(tmp_path)["0"]
         if finished:
-            assert not ctl.unfolded and on_file["steps"] == step + 1 and on_file["budget"] == b
-        assert on_file["steps"] == step + 1 - len(ctl.unfolded)
+            assert ctl.unpublished == 0 and on_file["steps"] == step + 1 and on_file["budget"] == b
+        assert on_file["steps"] == step + 1 - ctl.unpublished
         published += on_file["steps"] == step + 1
         if step == 150:
             assert {k: v for k, v in adaptive.step_stats().items() if k != "scheduler"} == _sums(seen)
-            assert not ctl.unfolded
+            assert ctl.unpublished == 0
     assert published < 150  # most steps waited
     # vLLM's empty step after the last request ends: everything is counted and published.
     so = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids=set())
     adaptive._make_schedule(lambda self: so, lambda self, so: None)(sched)
     want = _sums(seen)
-    assert not ctl.unfolded and ctl.stats == want
+    assert ctl.unpublished == 0 and ctl.stats == want
     on_file = metrics.read_metrics(tmp_path)["0"]
     assert (on_file["steps"], on_file["drafts_accepted"], on_file["regime_partial"]) == (
         300,
@@ -221,7 +222,8 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     )
     ctl._tally(3, 3, 4, 3, True, "full", 1, 1, 0)
     adaptive.reset_step_stats()
-    assert not ctl.unfolded and adaptive.step_stats()["steps"] == 0
+    assert ctl.unpublished == 0 and adaptive.step_stats()["steps"] == 0
+    assert metrics.read_metrics(tmp_path)["0"]["steps"] == 0
 
 
 def test_a_verify_all_step_is_counted_from_the_scheduler_output(
@@ -280,9 +282,9 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
     # An empty step announcing a finished request: what waited is counted and published.
     empty = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids={"a"})
     rows(sched, empty)
-    assert ctl.unfolded
+    assert ctl.unpublished
     update(sched, empty, None)
-    assert not ctl.unfolded and len(seen) == 3
+    assert ctl.unpublished == 0 and len(seen) == 3
     assert ctl.confidences.for_step(["a"], {"a": [1, 2]})[1].tolist() == [[1.0, 1.0]]
     want = {"steps": 2, "drafts_scheduled": 6, "drafts_verified": 6, "drafts_accepted": 3, "tokens_emitted": 7}
     assert {k: ctl.stats[k] for k in want} == want
