@@ -17,7 +17,10 @@ structured requests (JSON schema and regex, greedy):
 Every engine lives in its own process for the whole run (vLLM loads its
 plugins once per process), compiles the workload's grammars and warms up at
 every concurrency first, then waits on a pipe. A round runs every engine
-once on the same requests, one after the other in a rotating order; the
+once on the same requests, one after the other in a rotating order, after
+each engine has run the round's requests once untimed (``--no-prime`` skips
+that: the first run of new prompts in a process runs its forward passes
+10-25% slower than every later run, and the round's first mode paid it); the
 figure is output tokens per second of the engine process's CPU time
 (``--clock cpu``; one compute thread, so other work on the machine stretches
 the wall clock but hardly the CPU time), and the summary is the median over

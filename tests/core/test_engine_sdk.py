@@ -36,7 +36,9 @@ from maskplug.grammar.jobs import claim, release
 from maskplug.grammar.sdk import (
     FailedMatcher,
     GrammarSpec,
+    MatcherBase,
     Vocab,
+    bits_row,
     grammar_provider,
     grammar_providers,
     stop_row,
@@ -406,6 +408,111 @@ def test_fill_windows_serially_equals_the_general_serial_producer(size: int, req
         if g not in ref.failed:
             assert a.is_terminated() == b.is_terminated()
             assert a.validate([1, 2, 3]) == b.validate([1, 2, 3])
+
+
+class _Lenient(MatcherBase):
+    """An engine that takes any id it is handed (control ids and ids past the tokens too), bar a few.
+
+    Only :class:`MatcherBase`'s own checks refuse the ids a grammar never
+    takes, so a walk that skips them shows here (a real engine refuses those
+    ids itself). Complete after every ``every``-th token; its rows depend on
+    how many tokens it holds.
+    """
+
+    def __init__(self, vocab: Vocab, every: int) -> None:
+        super().__init__(vocab)
+        self.every = every
+        self.taken: list[int] = []
+
+    def _accept(self, token: int) -> bool:
+        if token % 7 == 6:
+            return False
+        self.taken.append(token)
+        return True
+
+    def _rollback(self, n: int) -> None:
+        del self.taken[len(self.taken) - n :]
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        held = len(self.taken)
+        bitmask[row] = torch.from_numpy(
+            bits_row([t for t in range(self.vocab.vocab_size) if (t + held) % 3], self.vocab.mask_words)
+        )
+
+    def _is_complete(self) -> bool:
+        return len(self.taken) % self.every == 0
+
+    def _reset(self) -> None:
+        self.taken.clear()
+
+    def _fork(self) -> _Lenient:
+        twin = type(self)(self.vocab, self.every)
+        twin.taken = list(self.taken)
+        return twin
+
+
+class _LenientChecked(_Lenient):
+    """The same engine, its ``accept`` overridden: a walk calls it through the public methods."""
+
+    def accept(self, token: int) -> bool:
+        return super().accept(token)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    reqs=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 39), max_size=6),  # 0: stop; 1, 2: control ids; 20..39: past the tokens
+            st.lists(st.integers(3, 19), max_size=3),  # tokens held before the step
+            st.integers(1, 3),
+            st.booleans(),  # the matcher has already stopped
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_the_walk_of_a_plain_matcher_refuses_what_accept_refuses(reqs: list[Any]) -> None:
+    """The serial walk calls a plain :class:`MatcherBase`'s engine directly; its public methods give the same.
+
+    Rows, acceptable counts, forced tokens, failures and every matcher's
+    state after the walk are those of a walk through ``fill``, ``accept`` and
+    ``rollback`` on the same engine: a stop token taken only when the text is
+    complete, control ids and ids past the tokens refused, a stopped matcher
+    walked on its stop rows.
+    """
+    v = Vocab(
+        [b"</s>", b"<c1>", b"<c2>", *(bytes([97 + i]) for i in range(17))],
+        eos_ids=(0,),
+        special_ids=(1, 2),
+        vocab_size=40,
+    )
+    windows = [list(w) for w, *_ in reqs]
+
+    def matchers(cls: type[_Lenient]) -> list[_Lenient]:
+        out = []
+        for _w, held, every, stopped in reqs:
+            m = cls(v, every)
+            m.taken = list(held)
+            if stopped:
+                m._set_terminated(True)
+            out.append(m)
+        return out
+
+    counts = [len(w) for w in windows]
+    total = sum(counts) + len(windows)
+    row0 = np.concatenate([[0], np.cumsum(np.array(counts) + 1)[:-1]]).astype(int).tolist()
+    results = []
+    for cls in (_Lenient, _LenientChecked):
+        ms = matchers(cls)
+        bm = torch.full((total + 1, v.mask_words), 0x5A5A5A5A, dtype=torch.int32)
+        dm = fill_windows_serially(ms, windows, row0, bm, total)
+        results.append((bm, dm, [(m.taken, m.is_terminated()) for m in ms]))
+    (bm, dm, states), (want_bm, want, want_states) = results
+    assert torch.equal(bm, want_bm)
+    assert dm.acceptable.tolist() == want.acceptable.tolist()
+    assert dm.forced.tolist() == want.forced.tolist()
+    assert {g: str(e) for g, e in dm.failed.items()} == {g: str(e) for g, e in want.failed.items()}
+    assert states == want_states == [(list(h), st_) for _w, h, _e, st_ in reqs]
 
 
 # -- accept_emitted against accept(), under hypothesis ----------------------------------------------

@@ -21,11 +21,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from maskplug_vllm import adaptive, confidences, metrics
 from vllm.v1.outputs import DraftTokenIds
 
 from maskplug import CostModel, PluginError
-from maskplug.schedulers import GoodputScheduler
+from maskplug.schedulers import GoodputScheduler, VerifyAllScheduler
 
 
 def test_confidences_live_and_two_steps_old() -> None:
@@ -344,3 +346,71 @@ def test_whitespace_bound_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setenv(backend.MAX_WHITESPACE_ENV, bad)
         with pytest.raises(PluginError, match=r"MASKPLUG_VLLM_MAX_WHITESPACE: expected a whole number"):
             backend.max_whitespace_from_env()
+
+
+@st.composite
+def _runner_steps(draw: st.DrawFn) -> tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]]:
+    """A step as vLLM's scheduler and runner report it: drafts, tokens, sampled lists in batch order.
+
+    A request emits its accepted drafts and one token more, or nothing (a
+    prefill chunk); the runner's rows are in any order.
+    """
+    n = draw(st.integers(0, 12))
+    ids = [f"req-{i}" for i in range(n)]
+    spec: dict[str, list[int]] = {}
+    nst: dict[str, int] = {}
+    emitted: dict[str, int] = {}
+    for r in ids:
+        nd = draw(st.integers(0, 5))
+        if nd:
+            spec[r] = [7] * nd
+        nst[r] = nd + draw(st.integers(1, 3))
+        emitted[r] = draw(st.one_of(st.just(0), st.integers(1, nd + 1)))
+    order = draw(st.permutations(range(n)))
+    sampled: list[list[int]] = [[] for _ in ids]
+    index = {}
+    for i, r in enumerate(ids):
+        sampled[order[i]] = [3] * emitted[r]
+        index[r] = order[i]
+    return spec, nst, sampled, index
+
+
+@given(step=_runner_steps(), drop=st.booleans(), gids_given=st.booleans())
+def test_a_verify_all_count_is_the_sum_over_requests(
+    step: tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]], drop: bool, gids_given: bool
+) -> None:
+    """``finish_all``'s count equals the per-request sums, on vLLM's usual step and on one the runner's rows miss.
+
+    On vLLM's usual step (one sampled list per scheduled request) the count
+    takes C-level passes over the lists; when a scheduled request is missing
+    from the runner's index it reads each request. Both give, per request,
+    ``len(drafts)`` scheduled and verified, ``len(sampled)`` emitted and
+    ``max(0, min(emitted - 1, drafts))`` accepted.
+    """
+    spec, nst, sampled, index = step
+    if drop and index:
+        del index[next(iter(index))]  # a request the runner no longer holds: it emitted nothing
+    gids = list(nst)[::2]
+    so = SimpleNamespace(
+        num_scheduled_tokens=nst,
+        scheduled_spec_decode_tokens=spec,
+        finished_req_ids=set(),
+        has_structured_output_requests=bool(gids),
+    )
+    requests = {r: SimpleNamespace(use_structured_output=r in gids, is_prefill_chunk=False) for r in nst}
+    ctl = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    ctl.finish_all(
+        requests, so, SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index), gids if gids_given else None
+    )
+    emitted = {r: len(sampled[j]) for r, j in index.items()}
+    want = {
+        "steps": 1,
+        "drafts_scheduled": sum(map(len, spec.values())),
+        "drafts_verified": sum(map(len, spec.values())),
+        "tokens_emitted": sum(emitted.values()),
+        "drafts_accepted": sum(max(0, min(e - 1, len(spec.get(r, ())))) for r, e in emitted.items()),
+        "structured_steps": int(any(spec.get(r) for r in gids)),
+    }
+    assert {k: ctl.stats[k] for k in want} == want
+    assert ctl.stats["regimes"] == {"full": want["structured_steps"], "partial": 0, "zero": 0}
+    assert ctl.counts[-1] == want["drafts_verified"]  # the step's budget, for the metrics file
