@@ -515,6 +515,39 @@ def test_the_walk_of_a_plain_matcher_refuses_what_accept_refuses(reqs: list[Any]
     assert states == want_states == [(list(h), st_) for _w, h, _e, st_ in reqs]
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.one_of(st.integers(0, 39), st.sampled_from([-1, 40, True, np.int64(5), 3.0])), max_size=6).map(
+        lambda xs: xs if len(xs) % 2 else tuple(xs)
+    ),
+    held=st.lists(st.integers(3, 19), max_size=3),
+    every=st.integers(1, 3),
+    stopped=st.booleans(),
+)
+def test_validate_of_a_plain_matcher_is_validate_through_accept(
+    tokens: Any, held: list[int], every: int, stopped: bool
+) -> None:
+    """``MatcherBase.validate`` takes plain in-range ids in one frame: the same count, error and state as through ``accept``."""
+    v = Vocab(
+        [b"</s>", b"<c1>", b"<c2>", *(bytes([97 + i]) for i in range(17))],
+        eos_ids=(0,),
+        special_ids=(1, 2),
+        vocab_size=40,
+    )
+    results = []
+    for cls in (_Lenient, _LenientChecked):
+        m = cls(v, every)
+        m.taken = list(held)
+        m._set_terminated(stopped)
+        try:
+            got: Any = m.validate(tokens)
+        except GrammarError as exc:
+            got = str(exc)
+        results.append((got, m.taken, m.is_terminated()))
+    assert results[0] == results[1]
+    assert results[0][1:] == (held, stopped)
+
+
 # -- accept_emitted against accept(), under hypothesis ----------------------------------------------
 
 
