@@ -17,10 +17,12 @@ structured requests (JSON schema and regex, greedy):
 Every engine lives in its own process for the whole run (vLLM loads its
 plugins once per process), compiles the workload's grammars and warms up at
 every concurrency first, then waits on a pipe. A round runs every engine
-once on the same requests, one after the other in a rotating order, after
-each engine has run the round's requests once untimed (``--no-prime`` skips
-that: the first run of new prompts in a process runs its forward passes
-10-25% slower than every later run, and the round's first mode paid it); the
+once on the same requests, one after the other in a rotating order, each
+timed run right after an untimed run of the same requests in the same mode
+(``--no-prime`` skips those: the first run of new prompts in a process runs
+its forward passes 10-25% slower than every later run, and with ``--switch``
+a mode's code is cold right after a switch; both fell on some modes more than
+others); the
 figure is output tokens per second of the engine process's CPU time
 (``--clock cpu``; one compute thread, so other work on the machine stretches
 the wall clock but hardly the CPU time), and the summary is the median over
@@ -268,10 +270,11 @@ def serve(cfg: dict[str, Any]) -> None:
             _answer({})
             continue
         if cmd.get("prime"):
-            # Untimed: the round's own requests once. The first run of a round's new prompts runs its
-            # forward passes 10-25% slower than every later run of the same prompts (new shapes in
-            # the CPU model's kernels), whichever mode it is: without this the round's first mode
-            # pays it, and the per-round ratios swing by half either way.
+            # Untimed: the run's own requests once, in its own mode. The first run of a round's new
+            # prompts runs its forward passes 10-25% slower than every later run of the same prompts
+            # (new shapes in the CPU model's kernels), whichever mode it is, and right after a switch
+            # of mode that mode's code and data are cold: in the rotating order the same mode always
+            # follows the same one, so without this one mode pays more of it than another.
             engine.reset_prefix_cache()
             tiny.closed_loop(engine, make(cmd["n"], cmd["seed"]), cmd["c"], cmd["max_tokens"], f"p{cmd['round']}")
             _answer({})
@@ -355,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prime",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="every engine runs each round's requests once, untimed, before the round's timed runs",
+        help="each timed run follows an untimed run of the same requests in the same mode",
     )
     p.add_argument("--json", default=None)
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
@@ -418,21 +421,20 @@ def main(argv: list[str] | None = None) -> int:
                         # Separate engines each meet the concurrency change in their own run; one
                         # engine serving every mode warms up at the new concurrency untimed first.
                         engines[order[0]].ask({"c": c, "round": rnd, "mode": order[0], "warm": True})
-                    if args.prime:
-                        for e in {id(e): e for e in (engines[m] for m in order)}.values():
-                            e.ask(
+                    digests = {}
+                    for m in order:
+                        if args.prime:
+                            engines[m].ask(
                                 {
                                     "c": c,
                                     "n": args.requests,
                                     "seed": rnd,
                                     "max_tokens": args.max_tokens,
                                     "round": rnd,
-                                    "mode": order[0],
+                                    "mode": m,
                                     "prime": True,
                                 }
                             )
-                    digests = {}
-                    for m in order:
                         res = engines[m].ask(
                             {
                                 "c": c,
