@@ -37,11 +37,13 @@ engine core asks for after sending the step, the adapter's wrapper
 included) and inside it the structured-output manager's ``grammar_bitmask``
 (``rows``: the mask rows), each grammar's ``accept_tokens`` (``accept``: the
 emitted tokens reaching the grammars, inside ``update_from_output``), the
-model runner's ``apply_grammar_bitmask`` (the apply), and a planning
+scheduler's ``update_draft_token_ids`` (``drafts``: the next step's drafts,
+each grammar request's checked by its grammar's ``validate_tokens``,
+``validate``), the model runner's ``apply_grammar_bitmask`` (the apply), and a planning
 scheduler's budget and outcome (``_Controller.plan`` / ``finish``), per step
 that ran the model (engine steps that only wait differ in number between
 engines), and ``host``: the host work besides the forward pass
-(``schedule``, ``update_from_output``, ``grammar_output`` and the apply;
+(``schedule``, ``update_from_output``, ``drafts``, ``grammar_output`` and the apply;
 each timed call records whether another timed call was running, so a call
 nested in another is counted once). These timed calls run
 cold, between forward passes: each costs several times what the same call
@@ -160,6 +162,8 @@ def _install_timers() -> _Timers:
     t = _Timers()
     t.wrap(Scheduler, "schedule", "schedule")
     t.wrap(Scheduler, "update_from_output", "update_from_output")
+    # The drafts for the next step, checked against each grammar (vLLM's validate_tokens).
+    t.wrap(Scheduler, "update_draft_token_ids", "drafts")
     # The rows as the engine core asks for them (the scheduler's wrapper included), and the
     # manager's producer inside that call.
     t.wrap(Scheduler, "get_grammar_bitmask", "grammar_output")
@@ -170,10 +174,12 @@ def _install_timers() -> _Timers:
     from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
 
     t.wrap(XgrammarGrammar, "accept_tokens", "accept")
+    t.wrap(XgrammarGrammar, "validate_tokens", "validate")
     if os.environ.get("MASKPLUG_VLLM"):
         from maskplug_vllm.backend import MaskplugGrammar
 
         t.wrap(MaskplugGrammar, "accept_tokens", "accept")
+        t.wrap(MaskplugGrammar, "validate_tokens", "validate")
     if os.environ.get("MASKPLUG_VLLM_SCHEDULER"):
         from maskplug_vllm import adaptive
 
@@ -495,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
             "plan",
             "update_from_output",
             "accept",
+            "drafts",
+            "validate",
             "outcome",
             "execute_model",
             "apply",
@@ -544,13 +552,16 @@ def main(argv: list[str] | None = None) -> int:
 def _host_ns(t: dict[str, int]) -> int:
     """Host work besides the forward pass in one run's timers, CPU ns.
 
-    The engine core's ``schedule`` and ``update_from_output``, the grammar
-    output it asks for (``get_grammar_bitmask``: the rows, where they were
-    not produced inside ``schedule``, and any wrapper around them) and the
-    apply. Figures recorded before ``get_grammar_bitmask`` was timed count
-    the manager's rows outside ``schedule`` instead.
+    The engine core's ``schedule``, ``update_from_output`` and
+    ``update_draft_token_ids`` (``drafts``: the next step's drafts checked
+    against each grammar), the grammar output it asks for
+    (``get_grammar_bitmask``: the rows, where they were not produced inside
+    ``schedule``, and any wrapper around them) and the apply. Figures
+    recorded before ``get_grammar_bitmask`` was timed count the manager's
+    rows outside ``schedule`` instead; before 2026-12-06 ``drafts`` was not
+    timed (nor counted).
     """
-    ns = t.get("schedule", 0) + t.get("update_from_output", 0) + t.get("apply", 0)
+    ns = t.get("schedule", 0) + t.get("update_from_output", 0) + t.get("apply", 0) + t.get("drafts", 0)
     if "grammar_output" in t:
         return ns + t["grammar_output"]
     return ns + t.get("rows", 0) - t.get("rows in schedule", 0)
