@@ -343,26 +343,12 @@ class MatcherBase:
             and (not tokens or (min(tokens) >= 0 and max(tokens) < vocab.vocab_size))
         ):
             # Plain ints in range (every id checked before anything moves) on a class that keeps
-            # accept and rollback: accept's checks of a checked id written out, in one frame. An
-            # engine validates a step's drafts for every request (vLLM: each step, in its
-            # scheduler), where a call per token cost as much as the engine's own work.
-            eos, special, known = vocab.eos_ids, vocab.special_ids, len(vocab.tokens)
-            accept = self._accept
-            n = 0
-            try:
-                for t in tokens:
-                    if self._terminated:
-                        break
-                    if t in eos:
-                        if not self._is_complete():
-                            break
-                        self._terminated = True
-                    elif t in special or t >= known or not accept(t):
-                        break
-                    n += 1
-            finally:
-                if n:
-                    self._rollback_walked(n)
+            # accept and rollback: one frame for the run instead of a call per token. An engine
+            # validates a step's drafts for every request (vLLM: each step, in its scheduler),
+            # where a call per token cost as much as the engine's own work.
+            n = self._accept_run(tokens, undo_on_error=True)
+            if n:
+                self._rollback_walked(n)
             return n
         toks = [check_token(t, vocab, f"tokens[{i}]") for i, t in enumerate(tokens)]
         n = 0
@@ -426,32 +412,39 @@ class MatcherBase:
             return False
         return self._accept(t)
 
-    def _accept_run(self, tokens: Sequence[int]) -> int:
+    def _accept_run(self, tokens: Sequence[int], undo_on_error: bool = False) -> int:
         """:func:`~maskplug.engines.sdk.accept_emitted` on this matcher: how many of ``tokens`` it took.
 
         :meth:`_accept_id` token by token, in one frame: an engine advances every
         grammar request by its emitted tokens every step, and between forward
         passes each Python call costs microseconds. An id that is not an
         ``int`` in ``[0, vocab_size)`` goes through :meth:`accept` (which
-        raises :class:`~maskplug.GrammarError` for a bad one).
+        raises :class:`~maskplug.GrammarError` for a bad one). With
+        ``undo_on_error`` the tokens taken are rolled back before an
+        exception leaves (:meth:`validate` leaves the state as it was).
         """
         vocab = self.vocab
         eos, special, size, known = vocab.eos_ids, vocab.special_ids, vocab.vocab_size, len(vocab.tokens)
         accept = self._accept
         n = 0
-        for t in tokens:
-            if self._terminated:
-                break
-            if t.__class__ is not int or not 0 <= t < size:
-                if not self.accept(t):
+        try:
+            for t in tokens:
+                if self._terminated:
                     break
-            elif t in eos:
-                if not self._is_complete():
+                if t.__class__ is not int or not 0 <= t < size:
+                    if not self.accept(t):
+                        break
+                elif t in eos:
+                    if not self._is_complete():
+                        break
+                    self._terminated = True
+                elif t in special or t >= known or not accept(t):
                     break
-                self._terminated = True
-            elif t in special or t >= known or not accept(t):
-                break
-            n += 1
+                n += 1
+        except BaseException:
+            if undo_on_error and n:
+                self._rollback_walked(n)
+            raise
         return n
 
     def _rollback_walked(self, n: int) -> None:

@@ -548,6 +548,28 @@ def test_validate_of_a_plain_matcher_is_validate_through_accept(
     assert results[0][1:] == (held, stopped)
 
 
+def test_validate_leaves_the_state_as_it_was_when_the_engine_raises() -> None:
+    """An engine that raises half-way through ``validate``: the tokens taken before are rolled back, on both paths."""
+    v = Vocab([b"</s>", *(bytes([97 + i]) for i in range(19))], eos_ids=(0,), vocab_size=20)
+
+    class Raising(_Lenient):
+        def _accept(self, token: int) -> bool:
+            if token == 9:
+                raise RuntimeError("engine fault")
+            return super()._accept(token)
+
+    class RaisingChecked(Raising):
+        def accept(self, token: int) -> bool:
+            return super().accept(token)
+
+    for cls in (Raising, RaisingChecked):
+        m = cls(v, 1)
+        m.taken = [3]
+        with pytest.raises(RuntimeError, match="engine fault"):
+            m.validate([4, 5, 9, 7])
+        assert m.taken == [3] and not m.is_terminated()
+
+
 # -- accept_emitted against accept(), under hypothesis ----------------------------------------------
 
 

@@ -678,21 +678,6 @@ class _Controller:
         finished = so.finished_req_ids
         if finished:
             self.confidences.forget(list(finished))
-        if not get_registry().step_end_listened():
-            # _tally's usual case, without its call (this runs every step, between forward passes).
-            c = self.counts
-            c[_STEPS] += 1
-            c[_SCHEDULED] += total
-            c[_VERIFIED] += total
-            c[_ACCEPTED] += num_accepted
-            c[_EMITTED] += num_emitted
-            c[_BUDGET] = total
-            if structured:
-                c[_FULL] += 1
-                c[_STRUCTURED] += 1
-            if c[_STEPS] - self.published >= FOLD_EVERY:
-                self.publish()
-            return
         self._tally(total, total, num_emitted, num_accepted, structured, "full", n, num_grammar, len(finished or ()))
 
     def _count(self, plan: _Plan, num_emitted: int, num_accepted: int, scheduled: int | None) -> None:
