@@ -72,6 +72,11 @@ STATUSES = ("valid", "cut off", "invalid", "failed")
 # The server: one process group, bounded lifetime, stopped in all cases.
 
 
+#: How many ports :meth:`Server.start` tries when the chosen one is taken before the server binds it.
+PORT_TRIES = 3
+_PORT_TAKEN = re.compile(r"Errno 98\]|[Aa]ddress already in use")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,7 +117,27 @@ class Server:
             return ""
 
     def start(self, on_wait: Callable[[float], None] | None = None) -> None:
-        """Start the server and wait until ``/health`` answers."""
+        """Start the server and wait until ``/health`` answers.
+
+        A port chosen free can be taken before the server binds it (by
+        another server's engine or workers, which open ports of their own):
+        when the server exits at start because its address is in use and its
+        command line names the port (``--port N``), it is started again on
+        another free port, up to :data:`PORT_TRIES` times in all.
+        """
+        for attempt in range(PORT_TRIES):
+            try:
+                self._start_once(on_wait)
+                return
+            except RuntimeError as exc:
+                at = self.args.index("--port") + 1 if "--port" in self.args[:-1] else -1
+                if attempt + 1 == PORT_TRIES or at < 0 or not _PORT_TAKEN.search(str(exc)):
+                    raise
+                self.stop()
+                self.port = _free_port()
+                self.args = [*self.args[:at], str(self.port), *self.args[at + 1 :]]
+
+    def _start_once(self, on_wait: Callable[[float], None] | None) -> None:
         self._log = open(self.log_path, "wb")  # closed in stop()
         args = list(self.args)
         wrapper = shutil.which("timeout")

@@ -229,6 +229,45 @@ def test_server_that_exits_at_start_is_reported(tmp_path: Path) -> None:
         server.start()
 
 
+PORT_TAKEN_ONCE = textwrap.dedent(
+    """
+    import http.server, sys
+    from pathlib import Path
+    port = int(sys.argv[sys.argv.index("--port") + 1])
+    tried = Path(sys.argv[1])
+    if not tried.exists():
+        tried.write_text(str(port))
+        print("OSError: [Errno 98] Address already in use", flush=True)
+        sys.exit(1)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+def test_server_whose_port_was_taken_starts_on_another(tmp_path: Path) -> None:
+    """A server that exits at start because its port was taken in the meantime is started again on another port."""
+    script = tmp_path / "taken.py"
+    script.write_text(PORT_TAKEN_ONCE)
+    port = free_port()
+    args = [sys.executable, str(script), str(tmp_path / "tried"), "--port", str(port)]
+    with demo.Server(args, dict(os.environ), tmp_path / "log", port=port, start_s=60, lifetime_s=60) as server:
+        server.start()
+        assert (tmp_path / "tried").read_text() == str(port)
+        assert server.port != port and server.args[-1] == str(server.port)
+        assert server.url == f"http://127.0.0.1:{server.port}"
+    # Any other failure at start, or one without a --port to change, is reported at once.
+    args = [sys.executable, "-c", "import sys; print('OSError: [Errno 98] Address already in use'); sys.exit(1)"]
+    server = demo.Server(args, dict(os.environ), tmp_path / "log2", port=port, start_s=60, lifetime_s=60)
+    with server, pytest.raises(RuntimeError, match=r"exited with 1 at start:\nOSError: \[Errno 98\]"):
+        server.start()
+
+
 def test_server_command_and_environment() -> None:
     cmd = demo.server_command(Path("/m"), 8123, spec=3, max_num_seqs=8)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
