@@ -15,8 +15,9 @@ producer logs an error per refused draft). Three producers fill the same
 step on the same matchers:
 
 * ``maskplug``: the adapter's replacement of ``StructuredOutputManager.grammar_bitmask``
-  (binding, the small-batch producer, the step's :class:`~maskplug.DraftMasks`,
-  the checks that a row allows something);
+  (binding, the small-batch producer, the checks that a row allows something;
+  with ``--draft-masks`` also the step's :class:`~maskplug.DraftMasks` with its
+  single-token rows, which only a planning scheduler reads);
 * ``vllm``: vLLM 0.32's own ``StructuredOutputManager.grammar_bitmask``
   (unpatched) on vLLM's own ``XgrammarGrammar`` objects over the same
   xgrammar matchers: the path the engine runs without maskplug;
@@ -228,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time each call after engine-like work (a small forward, numpy, Python) instead of in a loop",
     )
+    p.add_argument(
+        "--draft-masks",
+        action="store_true",
+        help="produce the step's draft masks too, as for a planning scheduler (default: as verify-all and grammars only)",
+    )
     a = p.parse_args(argv)
     pollute = _Polluter()
     with tempfile.TemporaryDirectory(prefix="maskplug-rows-") as tmp:
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _loop(bm, grammars, ids, spec)
 
             # Same rows up to each request's first refused draft (the rest is never applied).
+            setattr(mgr, mp_sched.WANT_DRAFT_MASKS_ATTR, True)
             got = ours().copy()
             got_vllm = vllm().copy()
             loop()
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                     if not (got[row : row + upto] == other[row : row + upto]).all():
                         raise SystemExit(f"n={n} k={k}: request {g}'s rows differ from the {name}'s")
                 row += len(d) + 1
+            # Timed as the engine runs it: the draft masks only where a planning scheduler reads them.
+            setattr(mgr, mp_sched.WANT_DRAFT_MASKS_ATTR, a.draft_masks)
             times: dict[str, list[float]] = {"ours": [], "vllm": [], "loop": []}
             fns = {"ours": ours, "vllm": vllm, "loop": loop}
             to_vllm, to_loop = [], []

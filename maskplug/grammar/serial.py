@@ -14,6 +14,7 @@ then completes the step exactly as the general producer does.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -146,6 +147,8 @@ def walk_windows(
     bitmask: torch.Tensor,
     total: int,
     host: npt.NDArray[Any] | None = None,
+    *,
+    find_forced: bool = True,
 ) -> DraftMasks:
     """Walk each request's window serially and complete the step's rows; the matchers end where they started.
 
@@ -155,7 +158,9 @@ def walk_windows(
     ``row0[g] + len(windows[g])``, the rows below ``total`` that no request
     fills come out all-allowed, a request whose matcher raises or whose row
     allows nothing fails alone with the stop-only rows. ``host`` is
-    ``bitmask.numpy()`` when the caller keeps it.
+    ``bitmask.numpy()`` when the caller keeps it. With ``find_forced=False``
+    the result's ``forced`` is all False (the rows are only checked for one
+    allowed token each).
     """
     g_count = len(matchers)
     vocabs = [cast(Any, m).vocab for m in matchers]
@@ -247,7 +252,8 @@ def walk_windows(
         raise
     if walk is None:
         width = max(len(w) for w in windows) + 1 if g_count else 0
-        done = _complete(bitmask.numpy() if host is None else host, total, row0, last, acceptable, vocabs, width)
+        bm = bitmask.numpy() if host is None else host
+        done = _complete(bm, total, row0, last, acceptable, vocabs, width, find_forced)
         if done is not None:
             return done
         walk = _general(matchers, windows, row0, bitmask, total, vocabs)
@@ -255,7 +261,51 @@ def walk_windows(
         if hi >= 0 and i not in walk.errors:
             walk.filled[i, : hi + 1] = True
     walk.acceptable[:] = acceptable
-    return assemble(walk, np.arange(g_count, dtype=np.int64))
+    dm = assemble(walk, np.arange(g_count, dtype=np.int64))
+    if not find_forced and dm.forced.any():
+        # The general assembly finds them anyway; the caller asked for none.
+        dm = dataclasses.replace(dm, forced=_no_forced(*dm.forced.shape))
+    return dm
+
+
+def _gaps(order: Sequence[int], row0: Sequence[int], last: list[int], total: int) -> list[tuple[int, int]]:
+    """The spans of rows below ``total`` that no request filled (``order``: the requests by first row)."""
+    pos = 0
+    gaps: list[tuple[int, int]] = []
+    for g in order:
+        hi = last[g]
+        if hi < 0:
+            continue
+        a = row0[g]
+        if a > pos:
+            gaps.append((pos, a))
+        pos = a + hi + 1
+    if pos < total:
+        gaps.append((pos, total))
+    return gaps
+
+
+def _complete_unforced(
+    bm: npt.NDArray[Any], total: int, gaps: list[tuple[int, int]], acceptable: list[int], size: int, width: int
+) -> DraftMasks | None:
+    """:func:`_complete` without ``forced``: whether every row of the step allows a token.
+
+    The rows no request filled are opened first, so every row below
+    ``total`` either holds a grammar's mask or allows everything; one
+    reduction per row then says whether a filled one allows nothing (three
+    numpy calls where the counts take twice as many, and no pass over the
+    rows in Python).
+    """
+    for a, b in gaps:
+        bm[a:b] = -1
+    rows = bm[:total]
+    f, r = divmod(size, 32)
+    live = rows[:, :f].any(axis=1)
+    if r:
+        live |= (rows[:, f] & ((1 << r) - 1)) != 0
+    if not live.all():
+        return None  # a row that allows nothing: the general assembly fails its request
+    return _served_plain(acceptable, width)
 
 
 def _complete(
@@ -266,15 +316,19 @@ def _complete(
     acceptable: list[int],
     vocabs: Sequence[Any],
     width: int,
+    find_forced: bool = True,
 ) -> DraftMasks | None:
     """The result of a walk in which every request was served, its unfilled rows opened.
 
     ``bm`` is the bitmask's numpy view; ``width`` is the widest window's row
-    count (the ``forced`` matrix's columns).
+    count (the ``forced`` matrix's columns). Without ``find_forced`` the
+    rows are only checked for an allowed token, and ``forced`` is all False.
 
-    ``None`` (nothing written) when the general assembly must decide: a
-    filled row allows no token of its vocabulary (that request fails), or
-    the requests' vocabularies differ in size.
+    ``None`` when the general assembly must decide: a filled row allows no
+    token of its vocabulary (that request fails), or the requests'
+    vocabularies differ in size. Nothing is written then, except (without
+    ``find_forced``) the rows no request filled, opened as the assembly
+    opens them.
     """
     # One pass in plain Python: between an engine's forward passes this runs cold, where every numpy
     # call and every comprehension's frame costs microseconds.
@@ -290,9 +344,14 @@ def _complete(
         if vs < size:
             size = vs
     wb = 4 * words
+    # Requests in row order (the producer's usual order needs no sort).
+    in_order = g_count < 2 or all(row0[g] < row0[g + 1] for g in range(g_count - 1))
+    order = range(g_count) if in_order else sorted(range(g_count), key=row0.__getitem__)
     # A few narrow rows: each filled row read as one Python int (little-endian words: bit t is token t);
     # more: numpy counts every row's allowed tokens at once.
     small = total * wb <= _PY_COUNT_BYTES
+    if not small and not find_forced:
+        return _complete_unforced(bm, total, _gaps(order, row0, last, total), acceptable, size, width)
     whole: list[int] = []
     below: list[int] = []
     if small:
@@ -303,23 +362,17 @@ def _complete(
         count, below_arr = row_counts(bm, total, None, size)
         below = below_arr.tolist()
         whole = count.tolist() if below_arr is not count else below
-    # Requests in row order (the producer's usual order needs no sort).
-    in_order = g_count < 2 or all(row0[g] < row0[g + 1] for g in range(g_count - 1))
-    order = range(g_count) if in_order else sorted(range(g_count), key=row0.__getitem__)
-    pos = 0
-    gaps: list[tuple[int, int]] = []
     forced: npt.NDArray[np.bool_] | None = None
     for g in order:
         hi = last[g]
         if hi < 0:
             continue
         a = row0[g]
-        b = a + hi + 1
-        for p in range(a, b):
+        for p in range(a, a + hi + 1):
             if small:
                 x = frm(buf[p * wb : (p + 1) * wb], "little")
                 # No allowed token below the vocabulary size; exactly one bit set in the whole row.
-                empty, single = not x & keep, not x & (x - 1)
+                empty, single = not x & keep, find_forced and not x & (x - 1)
             else:
                 empty, single = below[p] == 0, whole[p] == 1
             if empty:
@@ -331,13 +384,8 @@ def _complete(
                 if forced is None:
                     forced = np.zeros((g_count, width), dtype=bool)
                 forced[g, p - a] = True
-        if a > pos:
-            gaps.append((pos, a))
-        pos = b
     # Rows no request filled are all-allowed; the filled ones hold the grammar's masks.
-    if pos < total:
-        gaps.append((pos, total))
-    for a, b in gaps:
+    for a, b in _gaps(order, row0, last, total):
         bm[a:b] = -1
     if forced is None:
         return _served_plain(acceptable, width)

@@ -6,6 +6,7 @@ import functools
 import threading
 import types
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ from maskplug.engines.sdk import (
     ragged_mapping,
     wraps,
 )
+from maskplug.grammar import serial
 from maskplug.grammar.jobs import claim, release
 from maskplug.grammar.sdk import (
     FailedMatcher,
@@ -358,6 +360,9 @@ def _compiled(size: int) -> Any:
 
 
 @settings(max_examples=120, deadline=None)
+# A row with only bits past the vocabulary, and an empty one, each checked by numpy without the forced rows.
+@example(size=69, reqs=[([1, 2], "", 1, False), ([1, 2], "fill:tail", 2, False)], find_forced=False, numpy_counts=True)
+@example(size=64, reqs=[([1, 2], "fill:dead", 3, True)], find_forced=False, numpy_counts=True)
 @given(
     size=st.sampled_from([29, 31, 32, 64, 69, 100]),
     reqs=st.lists(
@@ -370,8 +375,18 @@ def _compiled(size: int) -> Any:
         min_size=1,
         max_size=5,
     ),
+    find_forced=st.booleans(),
+    numpy_counts=st.booleans(),
 )
-def test_fill_windows_serially_equals_the_general_serial_producer(size: int, reqs: list[Any]) -> None:
+def test_fill_windows_serially_equals_the_general_serial_producer(
+    size: int, reqs: list[Any], find_forced: bool, numpy_counts: bool
+) -> None:
+    """The rows, draft masks and matcher states of ``fill_draft_masks(..., strategy="serial")``.
+
+    Without ``find_forced`` everything but ``forced`` (then all False);
+    ``numpy_counts`` checks the rows with numpy whatever their size (else a
+    step this small is checked in Python).
+    """
     compiled = _compiled(size)
     v = compiled.matcher().vocab
     n = len(reqs)
@@ -397,11 +412,13 @@ def test_fill_windows_serially_equals_the_general_serial_producer(size: int, req
         ref_ms, flat, want, GrammarRows(ids), ScheduledLayout(ids, counts, np.ones(n, np.int64)), strategy="serial"
     )
     row0 = np.concatenate([[0], np.cumsum(counts + 1)[:-1]]).astype(int).tolist()
-    dm = fill_windows_serially(fast_ms, windows, row0, got, total)
+    with mock.patch.object(serial, "_PY_COUNT_BYTES", -1 if numpy_counts else serial._PY_COUNT_BYTES):
+        dm = fill_windows_serially(fast_ms, windows, row0, got, total, find_forced=find_forced)
     assert torch.equal(got, want)
     assert dm.request.tolist() == ref.request.tolist()
     assert dm.acceptable.tolist() == ref.acceptable.tolist()
-    assert dm.forced.shape == ref.forced.shape and dm.forced.tolist() == ref.forced.tolist()
+    want_forced = ref.forced.tolist() if find_forced else np.zeros_like(ref.forced).tolist()
+    assert dm.forced.shape == ref.forced.shape and dm.forced.tolist() == want_forced
     assert {g: str(e) for g, e in dm.failed.items()} == {g: str(e) for g, e in ref.failed.items()}
     # Every matcher that did not fail is back where it started, on both paths alike.
     for g, (a, b) in enumerate(zip(ref_ms, fast_ms, strict=True)):

@@ -104,7 +104,7 @@ from .calibrate import check_overhead, with_overheads
 from .confidences import CONFIDENCES_ATTR, DraftConfidences
 from .host import draft_counts
 from .metrics import StepMetrics
-from .scheduler import DRAFT_MASKS_ATTR
+from .scheduler import DRAFT_MASKS_ATTR, WANT_DRAFT_MASKS_ATTR
 from .worker import SCHEDULED_SPEC_ATTR
 
 __all__ = [
@@ -884,7 +884,11 @@ def _make_schedule(orig: Callable[..., Any], orig_grammar: Callable[..., Any]) -
         # the model runs): the budget needs the step's draft masks before the step is sent.
         manager = self.structured_output_manager
         setattr(manager, DRAFT_MASKS_ATTR, None)
-        grammar_output = orig_grammar(self, so)
+        setattr(manager, WANT_DRAFT_MASKS_ATTR, True)
+        try:
+            grammar_output = orig_grammar(self, so)
+        finally:
+            setattr(manager, WANT_DRAFT_MASKS_ATTR, False)
         produced = getattr(manager, DRAFT_MASKS_ATTR, None)
         setattr(manager, DRAFT_MASKS_ATTR, None)
         attached = False

@@ -53,9 +53,10 @@ RowsNeeded = Callable[[Sequence[str], Mapping[str, Sequence[int]], int], int]
 FillRows = Callable[[torch.Tensor, list[Any], list[str], dict[str, list[int]], int], tuple[int, DraftMasks]]
 """``(bitmask, grammars, grammar_req_ids, spec_tokens, stride) -> (rows written, draft masks)``."""
 
-FewRows = Callable[[Any, Mapping[str, Any], list[str], dict[str, list[int]]], "FewResult | None"]
-"""``(manager, requests, grammar_req_ids, spec_tokens) -> (rows written, draft masks, grammars, rows as numpy)``,
-or ``None`` for a step the release's general path must produce."""
+FewRows = Callable[[Any, Mapping[str, Any], list[str], dict[str, list[int]], bool], "FewResult | None"]
+"""``(manager, requests, grammar_req_ids, spec_tokens, find_forced) -> (rows written, draft masks, grammars, rows
+as numpy)``, or ``None`` for a step the release's general path must produce; with ``find_forced`` false the draft
+masks' ``forced`` may be all False (see :func:`maskplug.engines.sdk.fill_windows_serially`)."""
 
 FewResult = tuple[int, DraftMasks, list[Any], np.ndarray]
 
@@ -204,6 +205,7 @@ def make_grammar_bitmask(
     record: str | None = None,
     few: FewRows | None = None,
     few_below: int = 0,
+    wanted: str | None = None,
 ) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
 
@@ -216,7 +218,11 @@ def make_grammar_bitmask(
     serves a step of fewer than ``few_below`` grammar requests first
     (binding the grammars, checking the buffer and the drafts itself, on
     the manager's buffer as it is); where it returns ``None`` the step goes
-    the general way.
+    the general way. ``wanted``, when given, names the manager attribute
+    that says whether anyone reads the step's draft masks (read on every
+    step, false when absent): when not, ``record`` gets ``None`` and
+    ``few`` looks in the rows only for one that allows nothing (not for
+    the single-token ones a budget reads).
     """
 
     @wraps(orig)
@@ -238,16 +244,17 @@ def make_grammar_bitmask(
         own_loop = (self.reasoner_cls is not None and not self.enable_in_reasoning) or (
             self.vllm_config.model_config.is_diffusion
         )
+        keep = record is not None and (wanted is None or getattr(self, wanted, False))
         if few is not None and not own_loop and len(ids) < few_below:
             # At a few requests each Python call between forward passes counts: one pass binds,
             # checks and walks (the usual step at low concurrency).
-            done = few(self, requests, ids, scheduled_spec_decode_tokens)
+            done = few(self, requests, ids, scheduled_spec_decode_tokens, keep)
             if done is not None:
                 total, dm, grammars, view = done
                 if dm.failed:
                     fail_requests(grammars, ids, dm.failed)
                 if record is not None:
-                    setattr(self, record, (ids, dm))
+                    setattr(self, record, (ids, dm) if keep else None)
                 return view[:total]
         if record is not None:
             setattr(self, record, None)  # until this step's rows are made
@@ -268,8 +275,8 @@ def make_grammar_bitmask(
         if dm.failed:
             # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
             fail_requests(grammars, ids, dm.failed)
-        if record is not None:
-            setattr(self, record, (ids, dm))
+        if keep:
+            setattr(self, record, (ids, dm))  # type: ignore[arg-type]
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
         return _numpy_rows(self._grammar_bitmask, total)
 

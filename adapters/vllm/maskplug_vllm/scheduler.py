@@ -37,6 +37,7 @@ from .host import draft_counts
 
 __all__ = [
     "DRAFT_MASKS_ATTR",
+    "WANT_DRAFT_MASKS_ATTR",
     "few_rows",
     "fill_step_bitmask",
     "fill_step_rows",
@@ -46,7 +47,14 @@ __all__ = [
 
 DRAFT_MASKS_ATTR = "_maskplug_draft_masks"
 """Attribute of vLLM's ``StructuredOutputManager`` holding the last step's ``(grammar_req_ids, DraftMasks)``
-(``None`` when vLLM's own loop produced the rows); adaptive verification reads it."""
+(``None`` when vLLM's own loop produced the rows, or :data:`WANT_DRAFT_MASKS_ATTR` was not set); adaptive
+verification reads it."""
+
+WANT_DRAFT_MASKS_ATTR = "_maskplug_want_draft_masks"
+"""Attribute of vLLM's ``StructuredOutputManager``: true while its caller reads the step's draft masks from
+:data:`DRAFT_MASKS_ATTR` (adaptive verification sets it around the rows it asks for before the budget). Without
+it nothing is recorded, and a step of few requests is only checked for rows that allow nothing: looking for
+the single-token rows a budget reads costs a count of every row's allowed tokens."""
 
 
 def _cu(counts: np.ndarray) -> np.ndarray:
@@ -90,7 +98,11 @@ _MATCHER_TYPES: set[type] = set()
 
 
 def _fill_few(
-    bitmask: torch.Tensor, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+    bitmask: torch.Tensor,
+    matchers: list[Any],
+    grammar_req_ids: list[str],
+    spec_tokens: dict[str, list[int]],
+    find_forced: bool = True,
 ) -> tuple[int, DraftMasks, np.ndarray] | None:
     """The rows of a step with few grammar requests, by :func:`maskplug.fill_draft_masks`'s own serial walk.
 
@@ -103,7 +115,8 @@ def _fill_few(
     cut windows are walked in place in the full windows' rows (the rows after
     a cut are left unfilled, so they come out all-allowed, as in the general
     path's copy); the rows written, the draft masks and the buffer's numpy
-    view. ``None`` when the step needs the general path's handling:
+    view (with ``find_forced`` false, ``forced`` all False). ``None`` when
+    the step needs the general path's handling:
     a matcher that is not a :class:`Matcher`, the same matcher twice, a
     matcher without a vocabulary or with another width, a draft id outside
     the vocabulary, or a bitmask the check refuses (the general path then
@@ -155,12 +168,18 @@ def _fill_few(
         return None
     # No claim: a request's grammar lives in vLLM's scheduler, whose thread makes every call on its
     # matcher (vLLM's own accept, validate and rollback included, which no claim guards either).
-    dm = fill_windows_serially(matchers, windows, row0, bitmask, total, buf[1], claim_matchers=False)
+    dm = fill_windows_serially(
+        matchers, windows, row0, bitmask, total, buf[1], claim_matchers=False, find_forced=find_forced
+    )
     return total, dm, buf[1]
 
 
 def few_rows(
-    manager: Any, requests: Mapping[str, Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]
+    manager: Any,
+    requests: Mapping[str, Any],
+    grammar_req_ids: list[str],
+    spec_tokens: dict[str, list[int]],
+    find_forced: bool = True,
 ) -> common.FewResult | None:
     """:func:`fill_step_rows` of a step with few grammar requests, on the manager's buffer, binding as it goes.
 
@@ -168,7 +187,8 @@ def few_rows(
     grammars bound and their matchers taken in one pass: ``None`` when a
     grammar is not maskplug's or has failed, or :func:`_fill_few` declines
     (the buffer too small or not yet checked among them); the general path
-    then produces the step.
+    then produces the step. With ``find_forced`` false the draft masks'
+    ``forced`` is all False (:func:`maskplug.engines.sdk.fill_windows_serially`).
     """
     grammars: list[Any] = []
     matchers: list[Any] = []
@@ -181,7 +201,7 @@ def few_rows(
             g.bind(req)
         grammars.append(g)
         matchers.append(g.matcher)
-    done = _fill_few(manager._grammar_bitmask, matchers, grammar_req_ids, spec_tokens)
+    done = _fill_few(manager._grammar_bitmask, matchers, grammar_req_ids, spec_tokens, find_forced)
     if done is None:
         return None
     return done[0], done[1], grammars, done[2]
@@ -258,7 +278,8 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_bitmask`` so rows come from :func:`maskplug.fill_draft_masks`.
 
     ``len(drafts) + 1`` rows per grammar request (:func:`fill_step_rows`); the
-    step's ``(grammar_req_ids, DraftMasks)`` is kept in :data:`DRAFT_MASKS_ATTR`.
+    step's ``(grammar_req_ids, DraftMasks)`` is kept in :data:`DRAFT_MASKS_ATTR`
+    while :data:`WANT_DRAFT_MASKS_ATTR` is set on the manager.
     """
     return common.make_grammar_bitmask(
         orig,
@@ -268,4 +289,5 @@ def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
         record=DRAFT_MASKS_ATTR,
         few=few_rows,
         few_below=SERIAL_BELOW,
+        wanted=WANT_DRAFT_MASKS_ATTR,
     )

@@ -170,6 +170,50 @@ def test_grammar_aware_budget_keeps_only_drafts_the_grammar_accepts() -> None:
     assert checked > 100
 
 
+def test_a_planned_step_asks_the_producer_for_its_draft_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``schedule`` sets :data:`~maskplug_vllm.scheduler.WANT_DRAFT_MASKS_ATTR` on the manager around the rows.
+
+    The producer records the step's draft masks only while it is set (the
+    forced rows a budget reads included); they reach the budget, and the
+    attribute is cleared after the rows, also when the producer raises.
+    """
+    from maskplug_vllm.scheduler import DRAFT_MASKS_ATTR, WANT_DRAFT_MASKS_ATTR
+
+    rng = np.random.default_rng(5)
+    so, ids, nd, _ = _step(rng)
+    while not int(nd.sum()):
+        so, ids, nd, _ = _step(rng)
+    gids = [r for r, d in zip(ids, nd, strict=True) if d][:1]
+    forced = np.zeros((1, 6), dtype=bool)
+    forced[0, 0] = True
+    dm = DraftMasks(request=np.arange(1, dtype=np.int64), acceptable=np.asarray([1], np.int64), forced=forced)
+    manager = SimpleNamespace()
+    asked: list[bool] = []
+
+    def rows(self: Any, so: Any) -> GrammarOutput:
+        # What the wrapped manager does: the draft masks recorded only when they are wanted.
+        want = bool(getattr(manager, WANT_DRAFT_MASKS_ATTR, False))
+        asked.append(want)
+        setattr(manager, DRAFT_MASKS_ATTR, (gids, dm) if want else None)
+        if len(asked) == 2:
+            raise RuntimeError("producer fault")
+        return GrammarOutput(gids, np.full((1 + int(nd[ids.index(gids[0])]), 16), -1, dtype=np.int32), None)
+
+    inner = FixedBudget(int(nd.sum()))
+    ctl = adaptive._Controller(GrammarAwareScheduler(inner), "grammar-aware:fixed", CostModel.linear())
+    monkeypatch.setattr(adaptive, "_controller", ctl)
+    ctl.metrics = SimpleNamespace(write=lambda counts: None)  # type: ignore[assignment]
+    sched = SimpleNamespace(structured_output_manager=manager, vllm_config=None)
+    schedule = adaptive._make_schedule(lambda self: so, rows)
+    assert schedule(sched) is so
+    assert asked == [True] and getattr(manager, WANT_DRAFT_MASKS_ATTR) is False
+    view = inner.views[-1]
+    assert view.grammar is not None and view.grammar.forced[0].tolist() == forced[0].tolist()
+    with pytest.raises(RuntimeError, match="producer fault"):
+        schedule(sched)
+    assert asked == [True, True] and getattr(manager, WANT_DRAFT_MASKS_ATTR) is False
+
+
 def test_finish_reports_the_outcome_counts_and_fires_the_hook() -> None:
     calls: list[dict[str, Any]] = []
 

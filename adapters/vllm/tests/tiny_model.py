@@ -339,8 +339,14 @@ def count_producer_steps(counts: dict[str, int]) -> None:
         counts["fill_calls"] += 1
         counts["draft_rows"] += sum(len(spec_tokens.get(r, ())) for r in grammar_req_ids)
 
-    def few(bitmask: Any, matchers: list[Any], grammar_req_ids: list[str], spec_tokens: dict[str, list[int]]) -> Any:
-        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens)
+    def few(
+        bitmask: Any,
+        matchers: list[Any],
+        grammar_req_ids: list[str],
+        spec_tokens: dict[str, list[int]],
+        find_forced: bool = True,
+    ) -> Any:
+        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens, find_forced)
         if out is not None:
             count(grammar_req_ids, spec_tokens)
         return out
