@@ -51,6 +51,7 @@ __all__ = [
     "SchedulerSpec",
     "VerifyAllScheduler",
     "accept_emitted",
+    "draft_validator",
     "emitted_acceptor",
     "fill_windows_serially",
     "parse_scheduler_spec",
@@ -341,6 +342,27 @@ def emitted_acceptor(matcher: Matcher) -> Callable[[Sequence[int]], int]:
     if plain_matcher_type(type(matcher)):
         return cast(MatcherBase, matcher)._accept_run
     return functools.partial(accept_emitted, matcher)
+
+
+def draft_validator(matcher: Matcher) -> Callable[[Sequence[int]], int]:
+    """``matcher.validate`` for an engine that checks a request's drafts every step, 0 once it has ended.
+
+    The returned callable takes the drafts and returns how many the grammar
+    accepts, without advancing (``matcher.validate(drafts)``), and 0 once the
+    matcher is terminated, whatever its ``validate`` says then. Looked up
+    once: a :class:`~maskplug.grammar.sdk.MatcherBase` that keeps
+    ``validate`` and ``accept`` takes nothing after its stop token, so its own
+    method is handed back (one Python call per step); any other matcher is
+    asked ``is_terminated()`` first.
+    """
+    cls = type(matcher)
+    if plain_matcher_type(cls) and cls.validate is MatcherBase.validate:  # type: ignore[attr-defined]
+        return matcher.validate
+    return functools.partial(_validate_unless_ended, matcher)
+
+
+def _validate_unless_ended(matcher: Matcher, tokens: Sequence[int]) -> int:
+    return 0 if matcher.is_terminated() else matcher.validate(tokens)
 
 
 def ragged_mapping(batch_index: Sequence[int], rows: Sequence[int], num_batch: int) -> RowMapping:

@@ -452,8 +452,12 @@ class MatcherBase:
         # Engines that keep no count (xgrammar) find out only when asked to undo
         # too much; their check comes before any change, so putting the stop
         # token back leaves the matcher exactly as it was.
+        # _unwind_stop written out: every validate and every walk ends here, one call per request.
         was_terminated = self._terminated
-        k = self._unwind_stop(n)
+        k = n
+        if was_terminated and n > 0:
+            self._terminated = False
+            k = n - 1
         if k:
             try:
                 self._rollback(k)

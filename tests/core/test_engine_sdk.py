@@ -28,6 +28,7 @@ from maskplug.engines.sdk import (
     GuardedGrammar,
     PatchSet,
     accept_emitted,
+    draft_validator,
     emitted_acceptor,
     fill_windows_serially,
     ragged_mapping,
@@ -601,6 +602,52 @@ def _by_accept(m: Any, tokens: list[Any]) -> tuple[int, str | None]:
     except GrammarError as exc:
         return n, str(exc)
     return n, None
+
+
+class _ValidatesAfterItsEnd(_Lenient):
+    """An engine whose own ``validate`` still counts drafts after its stop token (as a careless one might)."""
+
+    def validate(self, tokens: Any) -> int:
+        was = self.is_terminated()
+        self._set_terminated(False)
+        try:
+            return super().validate(tokens)
+        finally:
+            self._set_terminated(was)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 39), max_size=5),
+    held=st.lists(st.integers(3, 19), max_size=3),
+    every=st.integers(1, 3),
+    stopped=st.booleans(),
+    cls=st.sampled_from([_Lenient, _LenientChecked, _ValidatesAfterItsEnd]),
+)
+@example(tokens=[3, 4], held=[], every=1, stopped=True, cls=_ValidatesAfterItsEnd)
+def test_draft_validator_is_validate_and_nothing_once_ended(
+    tokens: list[int], held: list[int], every: int, stopped: bool, cls: type[_Lenient]
+) -> None:
+    """:func:`draft_validator`: ``validate``'s count, 0 once the matcher has ended, the state untouched.
+
+    A plain :class:`MatcherBase` gets its own bound ``validate`` back; a
+    class that overrides ``accept`` or ``validate`` is asked whether it has
+    ended first.
+    """
+    v = Vocab(
+        [b"</s>", b"<c1>", b"<c2>", *(bytes([97 + i]) for i in range(17))],
+        eos_ids=(0,),
+        special_ids=(1, 2),
+        vocab_size=40,
+    )
+    m, twin = cls(v, every), cls(v, every)
+    for x in (m, twin):
+        x.taken = list(held)
+        x._set_terminated(stopped)
+    run = draft_validator(m)
+    assert (getattr(run, "__self__", None) is m) == (cls is _Lenient)
+    assert run(tokens) == (0 if stopped else twin.validate(tokens))
+    assert (m.taken, m.is_terminated()) == (list(held), stopped)
 
 
 @settings(max_examples=150, deadline=None)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from maskplug import GrammarError, PluginError
-from maskplug.engines.sdk import GuardedGrammar, emitted_acceptor
+from maskplug.engines.sdk import GuardedGrammar, draft_validator, emitted_acceptor
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
@@ -189,10 +189,11 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         self.error: GrammarError | None = None
         self.request_id: str | None = None
         self._request: Callable[[], Any] | None = None
-        # The emitted-token loop, looked up once per matcher (accept_tokens runs for every grammar
-        # request every step, between model steps, where each Python call costs microseconds); kept
-        # with the matcher it serves, so a replaced ``matcher`` gets its own.
-        self._acceptor: tuple[Matcher, Callable[[Sequence[int]], int]] = (matcher, emitted_acceptor(matcher))
+        # The emitted-token loop and the drafts' check, looked up once per matcher (accept_tokens and
+        # validate_tokens run for every grammar request every step, between model steps, where each
+        # Python call costs microseconds); kept with the matcher they serve, so a replaced
+        # ``matcher`` gets its own.
+        self._calls = _bound_calls(matcher)
 
     # -- failure -----------------------------------------------------------------
     @property
@@ -246,10 +247,10 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
             m = self.matcher
             try:
                 # Called for every request every step: the SDK's loop skips the per-call id checks.
-                acceptor = self._acceptor
-                if acceptor[0] is not m:
-                    acceptor = self._acceptor = (m, emitted_acceptor(m))
-                n = acceptor[1](tokens)
+                calls = self._calls
+                if calls[0] is not m:
+                    calls = self._calls = _bound_calls(m)
+                n = calls[1](tokens)
                 self.num_processed_tokens += n
                 if n < len(tokens) and not m.is_terminated():
                     logger.error("maskplug grammar for request %s refused emitted token %s", request_id, tokens[n])
@@ -262,16 +263,20 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         return False
 
     def validate_tokens(self, tokens: list[int]) -> list[int]:
-        """The longest prefix of ``tokens`` the grammar accepts, without advancing (none once failed)."""
+        """The longest prefix of ``tokens`` the grammar accepts, without advancing (none once failed or ended)."""
         if self.error is not None or not tokens:
             return []
+        m = self.matcher
         try:
-            if self.matcher.is_terminated():
-                return []
-            return list(tokens[: self.matcher.validate(tokens)])
+            # Called for every grammar request every step (vLLM's scheduler checks the next drafts).
+            calls = self._calls
+            if calls[0] is not m:
+                calls = self._calls = _bound_calls(m)
+            n = calls[2](tokens)
         except Exception as exc:
             self._raised(exc, "validating drafts")
             return []
+        return list(tokens[:n]) if n else []
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (nothing once failed)."""
@@ -298,6 +303,13 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
             self._raised(exc, "reset")
             return
         self.num_processed_tokens = 0
+
+
+def _bound_calls(
+    matcher: Matcher,
+) -> tuple[Matcher, Callable[[Sequence[int]], int], Callable[[Sequence[int]], int]]:
+    """``(matcher, its emitted-token acceptor, its drafts' validator)`` (see :mod:`maskplug.engines.sdk`)."""
+    return matcher, emitted_acceptor(matcher), draft_validator(matcher)
 
 
 def producer_matcher(grammar: Any) -> Any:
