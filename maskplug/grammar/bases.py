@@ -336,19 +336,19 @@ class MatcherBase:
     def validate(self, tokens: Sequence[int]) -> int:
         """Length of the prefix of ``tokens`` the grammar accepts; the state is left as it was."""
         vocab = self.vocab
-        if (
-            tokens.__class__ in _SEQUENCES
-            and plain_matcher_type(type(self))
-            and _PLAIN_INT.issuperset(map(type, tokens))
-            and (not tokens or (min(tokens) >= 0 and max(tokens) < vocab.vocab_size))
-        ):
-            # Plain ints in range (every id checked before anything moves) on a class that keeps
-            # accept and rollback: one frame for the run instead of a call per token. An engine
-            # validates a step's drafts for every request (vLLM: each step, in its scheduler),
-            # where a call per token cost as much as the engine's own work.
-            n = self._accept_run(tokens, undo_on_error=True)
-            if n:
-                self._rollback_walked(n)
+        if tokens.__class__ in _SEQUENCES and plain_matcher_type(type(self)):
+            # A class that keeps accept and rollback: one frame for the run instead of a call per
+            # token. An engine validates a step's drafts for every request (vLLM: each step, in its
+            # scheduler), where a call per token cost as much as the engine's own work. The run
+            # checks each id it reaches (a bad one raises, naming it, with the run rolled back);
+            # the ids after where it stopped are checked here, so every id is checked, as below.
+            n = self._accept_run(tokens, undo_on_error=True, name="tokens")
+            try:
+                for i in range(n, len(tokens)):
+                    check_token(tokens[i], vocab, f"tokens[{i}]")
+            finally:
+                if n:
+                    self._rollback_walked(n)
             return n
         toks = [check_token(t, vocab, f"tokens[{i}]") for i, t in enumerate(tokens)]
         n = 0
@@ -412,7 +412,7 @@ class MatcherBase:
             return False
         return self._accept(t)
 
-    def _accept_run(self, tokens: Sequence[int], undo_on_error: bool = False) -> int:
+    def _accept_run(self, tokens: Sequence[int], undo_on_error: bool = False, name: str | None = None) -> int:
         """:func:`~maskplug.engines.sdk.accept_emitted` on this matcher: how many of ``tokens`` it took.
 
         :meth:`_accept_id` token by token, in one frame: an engine advances every
@@ -421,7 +421,8 @@ class MatcherBase:
         ``int`` in ``[0, vocab_size)`` goes through :meth:`accept` (which
         raises :class:`~maskplug.GrammarError` for a bad one). With
         ``undo_on_error`` the tokens taken are rolled back before an
-        exception leaves (:meth:`validate` leaves the state as it was).
+        exception leaves (:meth:`validate` leaves the state as it was). With
+        ``name`` a bad id's error names it as ``name[i]``.
         """
         vocab = self.vocab
         eos, special, size, known = vocab.eos_ids, vocab.special_ids, vocab.vocab_size, len(vocab.tokens)
@@ -432,6 +433,8 @@ class MatcherBase:
                 if self._terminated:
                     break
                 if t.__class__ is not int or not 0 <= t < size:
+                    if name is not None:
+                        check_token(t, vocab, f"{name}[{n}]")
                     if not self.accept(t):
                         break
                 elif t in eos:
@@ -492,7 +495,6 @@ class MatcherBase:
 
 _PLAIN: dict[type, bool] = {}
 #: The only id type :meth:`MatcherBase.validate` takes without :func:`check_token` (``bool`` is refused there).
-_PLAIN_INT = frozenset({int})
 _SEQUENCES = frozenset({list, tuple})
 
 

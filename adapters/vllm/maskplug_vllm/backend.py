@@ -276,7 +276,8 @@ class MaskplugGrammar(GuardedGrammar, _Grammar):  # type: ignore[misc,valid-type
         except Exception as exc:
             self._raised(exc, "validating drafts")
             return []
-        return list(tokens[:n]) if n else []
+        head = tokens[:n]  # a new list (vLLM's own grammars return a copy too)
+        return head if head.__class__ is list else list(head)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (nothing once failed)."""
