@@ -25,6 +25,11 @@ step on the same matchers:
   draft, ..., roll back), written directly on xgrammar's ``GrammarMatcher``:
   a lower bound of any producer on these matchers.
 
+With ``--validate`` the drafts' check is timed instead: vLLM's scheduler
+calls each grammar request's ``validate_tokens`` on its next drafts every
+step (``update_draft_token_ids``); maskplug's grammars against vLLM's own
+``XgrammarGrammar`` over the same matchers (the results checked equal).
+
 Each round times all three, one after the other in rotating order, in CPU time
 of this thread per step (the fastest of five batches of ``--calls`` steps);
 the summary is the median over rounds of the per-round ratios of ``maskplug``
@@ -215,6 +220,46 @@ def _time_cold(fn: Any, calls: int, pollute: _Polluter) -> float:
     return statistics.median(times) / 1e3
 
 
+def _time_validate(
+    a: argparse.Namespace,
+    n: int,
+    k: int,
+    ours: list[Any],
+    theirs: list[Any],
+    ids: list[str],
+    spec: dict[str, list[int]],
+    pollute: _Polluter,
+) -> None:
+    """The drafts' check of a step: every request's ``validate_tokens``, maskplug's grammars against vLLM's own."""
+    drafts = [spec.get(r, []) for r in ids]
+    for g, v, d in zip(ours, theirs, drafts, strict=True):
+        if g.validate_tokens(d) != v.validate_tokens(d):
+            raise SystemExit(f"n={n} k={k}: the grammars validate {d} differently")
+
+    def check(grammars: list[Any]) -> Any:
+        def run() -> None:
+            for g, d in zip(grammars, drafts, strict=True):
+                g.validate_tokens(d)
+
+        return run
+
+    fns = {"ours": check(ours), "vllm": check(theirs)}
+    times: dict[str, list[float]] = {"ours": [], "vllm": []}
+    ratios = []
+    for rnd in range(a.rounds):
+        order = list(fns) if rnd % 2 == 0 else list(fns)[::-1]
+        t = {m: _time_cold(fns[m], a.calls // 4, pollute) if a.cold else _time(fns[m], a.calls) for m in order}
+        for m in fns:
+            times[m].append(t[m])
+        ratios.append(t["ours"] / t["vllm"])
+    med = {m: statistics.median(v) for m, v in times.items()}
+    print(
+        f"{n:>4} {k:>3} {med['ours']:>12.1f} {med['vllm']:>9.1f} {'-':>9} "
+        f"{statistics.median(ratios):>11.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) {'-':>8}",
+        flush=True,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", default="1,4,16")
@@ -228,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         "--cold",
         action="store_true",
         help="time each call after engine-like work (a small forward, numpy, Python) instead of in a loop",
+    )
+    p.add_argument(
+        "--validate",
+        action="store_true",
+        help="time the drafts' check instead (each request's validate_tokens, as vLLM's scheduler calls it)",
     )
     p.add_argument(
         "--draft-masks",
@@ -259,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             vmgr, vrequests = _vllm_manager(vocab, k, grammars)
             vllm_fill = type(vmgr).grammar_bitmask
+            if a.validate:
+                _time_validate(
+                    a, n, k, grammars, [vrequests[r].structured_output_request.grammar for r in ids], ids, spec, pollute
+                )
+                continue
 
             def ours(
                 mgr: Any = mgr, fill: Any = fill, requests: Any = requests, ids: Any = ids, spec: Any = spec

@@ -348,16 +348,17 @@ def draft_validator(matcher: Matcher) -> Callable[[Sequence[int]], int]:
     """``matcher.validate`` for an engine that checks a request's drafts every step, 0 once it has ended.
 
     The returned callable takes the drafts and returns how many the grammar
-    accepts, without advancing (``matcher.validate(drafts)``), and 0 once the
-    matcher is terminated, whatever its ``validate`` says then. Looked up
-    once: a :class:`~maskplug.grammar.sdk.MatcherBase` that keeps
-    ``validate`` and ``accept`` takes nothing after its stop token, so its own
-    method is handed back (one Python call per step); any other matcher is
-    asked ``is_terminated()`` first.
+    accepts, without advancing (``matcher.validate(drafts)``, bad ids raising
+    as there), and 0 without looking at them once the matcher is terminated
+    (as vLLM's own grammars answer then). Looked up once: for a
+    :class:`~maskplug.grammar.sdk.MatcherBase` that keeps ``validate``,
+    ``accept`` and ``rollback`` it is one bound method of the matcher (one
+    Python call per step, the termination read as an attribute); any other
+    matcher is asked ``is_terminated()`` first.
     """
     cls = type(matcher)
     if plain_matcher_type(cls) and cls.validate is MatcherBase.validate:  # type: ignore[attr-defined]
-        return matcher.validate
+        return cast(MatcherBase, matcher)._validate_drafts
     return functools.partial(_validate_unless_ended, matcher)
 
 

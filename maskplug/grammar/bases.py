@@ -337,19 +337,7 @@ class MatcherBase:
         """Length of the prefix of ``tokens`` the grammar accepts; the state is left as it was."""
         vocab = self.vocab
         if tokens.__class__ in _SEQUENCES and plain_matcher_type(type(self)):
-            # A class that keeps accept and rollback: one frame for the run instead of a call per
-            # token. An engine validates a step's drafts for every request (vLLM: each step, in its
-            # scheduler), where a call per token cost as much as the engine's own work. The run
-            # checks each id it reaches (a bad one raises, naming it, with the run rolled back);
-            # the ids after where it stopped are checked here, so every id is checked, as below.
-            n = self._accept_run(tokens, undo_on_error=True, name="tokens")
-            try:
-                for i in range(n, len(tokens)):
-                    check_token(tokens[i], vocab, f"tokens[{i}]")
-            finally:
-                if n:
-                    self._rollback_walked(n)
-            return n
+            return self._validate_run(tokens)
         toks = [check_token(t, vocab, f"tokens[{i}]") for i, t in enumerate(tokens)]
         n = 0
         try:
@@ -361,6 +349,37 @@ class MatcherBase:
             if n:
                 self.rollback(n)
         return n
+
+    def _validate_run(self, tokens: Sequence[int]) -> int:
+        """:meth:`validate` of a list or tuple on a class that keeps ``accept`` and ``rollback``.
+
+        One frame for the run instead of a call per token: an engine validates a
+        step's drafts for every request (vLLM: each step, in its scheduler),
+        where a call per token cost as much as the engine's own work. The run
+        checks each id it reaches (a bad one raises, naming it, with the run
+        rolled back); the ids after where it stopped are checked after it, so
+        every id is checked, as on the general path.
+        """
+        n = self._accept_run(tokens, undo_on_error=True, name="tokens")
+        try:
+            for i in range(n, len(tokens)):
+                check_token(tokens[i], self.vocab, f"tokens[{i}]")
+        finally:
+            if n:
+                self._rollback_walked(n)
+        return n
+
+    def _validate_drafts(self, tokens: Sequence[int]) -> int:
+        """:meth:`validate`, or 0 without a look at ``tokens`` once a stop token was accepted.
+
+        What :func:`~maskplug.engines.sdk.draft_validator` hands an engine for
+        a class that keeps ``accept``, ``rollback`` and ``validate``.
+        """
+        if self._terminated:
+            return 0
+        if tokens.__class__ in _SEQUENCES:
+            return self._validate_run(tokens)
+        return self.validate(tokens)
 
     def rollback(self, n: int) -> None:
         """Undo the last ``n`` accepted tokens (an accepted stop token counts as one)."""
@@ -494,7 +513,7 @@ class MatcherBase:
 
 
 _PLAIN: dict[type, bool] = {}
-#: The only id type :meth:`MatcherBase.validate` takes without :func:`check_token` (``bool`` is refused there).
+#: The sequence types :meth:`MatcherBase.validate` runs in one frame (anything else is copied through :func:`check_token`).
 _SEQUENCES = frozenset({list, tuple})
 
 
