@@ -275,8 +275,8 @@ def make_grammar_bitmask(
         if dm.failed:
             # Only those requests fail: stop-only rows now, FinishReason.ERROR when their tokens come back.
             fail_requests(grammars, ids, dm.failed)
-        if keep:
-            setattr(self, record, (ids, dm))  # type: ignore[arg-type]
+        if keep and record is not None:
+            setattr(self, record, (ids, dm))
         # numpy, like vLLM: it serialises far faster than a tensor on the way to the workers.
         return _numpy_rows(self._grammar_bitmask, total)
 
