@@ -181,11 +181,16 @@ class Server:
                 except subprocess.TimeoutExpired:
                     continue
         if proc is not None:
-            # The engine core and workers are in the group too: none may outlive the leader.
+            # The engine core and workers are in the group too: none may outlive the leader. A kill
+            # is delivered, not done: stop returns once none of them runs any more (a worker still
+            # exiting holds its GPU memory and its ports).
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            deadline = time.monotonic() + STOP_WAIT_S
+            while _group_running(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
         if self._timer is not None:
             self._timer.cancel()
         if self._log is not None and not self._log.closed:
@@ -196,6 +201,33 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: How long :meth:`Server.stop` waits, after killing the group, for its processes to be gone.
+STOP_WAIT_S = 10.0
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (a zombie, which holds nothing, does not count).
+
+    Read from ``/proc``; without it (not Linux) nothing can be told, and the answer is False.
+    """
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # After the command name (which may hold spaces and parentheses): state, ppid, pgrp, ...
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def server_command(

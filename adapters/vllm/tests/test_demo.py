@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -176,6 +177,23 @@ def test_server_stop_ends_the_whole_group(tmp_path: Path) -> None:
         pids = [server.proc.pid, int(child.read_text())]
         assert all(_alive(p) for p in pids)
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_group_runs_until_its_last_process_is_gone_or_a_zombie() -> None:
+    """:meth:`demo.Server.stop` waits on this: a killed process not yet reaped no longer runs."""
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        assert demo._group_running(proc.pid)
+        os.killpg(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while demo._group_running(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not demo._group_running(proc.pid)  # a zombie until reaped: not running
+        assert Path(f"/proc/{proc.pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not demo._group_running(proc.pid)
 
 
 def test_server_lifetime_is_bounded(tmp_path: Path) -> None:
