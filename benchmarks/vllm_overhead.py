@@ -41,11 +41,19 @@ scheduler's ``update_draft_token_ids`` (``drafts``: the next step's drafts,
 each grammar request's checked by its grammar's ``validate_tokens``,
 ``validate``), the model runner's ``apply_grammar_bitmask`` (the apply), and a planning
 scheduler's budget and outcome (``_Controller.plan`` / ``finish``), per step
-that ran the model (engine steps that only wait differ in number between
-engines), and ``host``: the host work besides the forward pass
+that ran the model, and ``host``: the host work besides the forward pass
 (``schedule``, ``update_from_output``, ``drafts``, ``grammar_output`` and the apply;
 each timed call records whether another timed call was running, so a call
-nested in another is counted once). These timed calls run
+nested in another is counted once). These figures count the calls of steps
+that scheduled something; the engine's idle steps (its loop spinning while a
+request waits, mostly for its grammar: at one request in flight 50 to 70 per
+request, about three per model step, each a ``schedule``, a
+``get_grammar_bitmask`` and an ``update_from_output``) are timed apart and
+shown on their own: their number is the wait's wall time over one idle
+step's cost, so they measure the wait (the grammar compiling on another
+thread, which gets the GIL between the loop's steps), not the work per
+step, and differ between engines (before 2026-12-06 07:50 UTC they were in
+every figure, divided by the model steps). These timed calls run
 cold, between forward passes: each costs several times what the same call
 costs repeated in a loop (``benchmarks/vllm_rows.py``, ``cpu_apply.py``).
 ``--restart N`` starts fresh engine processes every N rounds: one engine
@@ -91,6 +99,10 @@ MODES: dict[str, dict[str, str]] = {
 # -- in the engine process ------------------------------------------------------------------------
 
 
+#: Suffix of a timer's name for the calls made in idle steps (steps that scheduled nothing).
+IDLE = " (idle)"
+
+
 class _Timers:
     """CPU nanoseconds and calls per wrapped function; installed once, switched on and off.
 
@@ -102,6 +114,7 @@ class _Timers:
 
     def __init__(self) -> None:
         self.on = False
+        self.idle = False  # whether the step being timed scheduled nothing (set by the schedule timer)
         self.local = threading.local()  # .active: the timed function running on this thread, if any
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
@@ -120,16 +133,24 @@ class _Timers:
             local = timers.local
             outer = getattr(local, "active", None)
             local.active = name
+            out = None
             t0 = clock()
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                return out
             finally:
                 dt = clock() - t0
                 local.active = outer
-                timers.ns[name] = timers.ns.get(name, 0) + dt
-                timers.calls[name] = timers.calls.get(name, 0) + 1
+                if name == "schedule":
+                    # Every timed call until the next schedule belongs to this step: an idle one
+                    # when it scheduled nothing.
+                    timers.idle = out is not None and not getattr(out, "total_num_scheduled_tokens", 1)
+                tag = IDLE if timers.idle else ""
+                key = name + tag
+                timers.ns[key] = timers.ns.get(key, 0) + dt
+                timers.calls[key] = timers.calls.get(key, 0) + 1
                 if outer is not None:
-                    key = f"{name} in {outer}"
+                    key = f"{name} in {outer}{tag}"
                     timers.ns[key] = timers.ns.get(key, 0) + dt
 
         setattr(owner, attr, timed)
@@ -519,6 +540,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"{per[n]:8.1f}" if n == "host" or any(n in r["timers_ns"] for r in prs) else "-" for n in names
                 ]
                 print(f"{m:<12}{c:>4}" + "".join(f"{x:>20}" for x in cells))
+        print(
+            "\nidle steps (the engine loop spinning on steps that schedule nothing while a request waits, e.g. for"
+            "\nits grammar; not in the figures above): per model step, host CPU µs per idle step and per model step"
+        )
+        for m in modes:
+            for c in conc:
+                prs = [r for r in profiled if r["mode"] == m and r["c"] == c]
+                steps = max(1, sum(r["model_steps"] for r in prs))
+                idle = sum(r["timer_calls"].get("schedule" + IDLE, 0) for r in prs)
+                ns = sum(_idle_ns(r["timers_ns"]) for r in prs)
+                print(
+                    f"{m:<12}{c:>4}  {idle / steps:6.2f} per model step, {ns / 1e3 / max(1, idle):6.1f} µs each,"
+                    f" {ns / 1e3 / steps:6.1f} µs per model step"
+                )
         # The sums above pool the profiled rounds; one engine process can run slower than another for its
         # whole life, so with several profiled rounds (and restarts) the per-round differences say more.
         rounds = sorted({r["round"] for r in profiled})
@@ -565,6 +600,11 @@ def _host_ns(t: dict[str, int]) -> int:
     if "grammar_output" in t:
         return ns + t["grammar_output"]
     return ns + t.get("rows", 0) - t.get("rows in schedule", 0)
+
+
+def _idle_ns(t: dict[str, int]) -> int:
+    """:func:`_host_ns` of the calls made in idle steps (steps that scheduled nothing), CPU ns."""
+    return _host_ns({k[: -len(IDLE)]: v for k, v in t.items() if k.endswith(IDLE)})
 
 
 def _host(r: dict[str, Any]) -> float:

@@ -106,6 +106,16 @@ class CompileCache:
                     self.evicted += 1
             return value
 
+    def get(self, spec: GrammarSpec) -> Any | None:
+        """The cached value for ``spec`` (a hit, made the most recently used), or ``None``; nothing is compiled."""
+        key = spec.key()
+        with self._lock:
+            if key not in self._items:
+                return None
+            self.hits += 1
+            self._items.move_to_end(key)
+            return self._items[key]
+
     def __len__(self) -> int:
         return len(self._items)
 

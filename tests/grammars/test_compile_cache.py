@@ -38,6 +38,19 @@ def test_the_least_recently_used_grammar_is_dropped_first() -> None:
     assert (cache.hits, cache.misses) == (1, 4)
 
 
+def test_get_looks_up_without_compiling() -> None:
+    """``get`` answers a cached spec as a hit (made the most recently used) and anything else with ``None``."""
+    cache = CompileCache(max_entries=2)
+    calls, fn = _counting()
+    a, b, c = (GrammarSpec("regex", x) for x in "abc")
+    assert cache.get(a) is None and calls == [] and (cache.hits, cache.misses) == (0, 0)
+    ga = cache.get_or_compile(a, fn)
+    cache.get_or_compile(b, fn)
+    assert cache.get(GrammarSpec("regex", "a")) is ga and (cache.hits, cache.misses) == (1, 2)
+    cache.get_or_compile(c, fn)  # drops b: a was used more recently
+    assert a in cache and b not in cache and cache.get(b) is None and calls == ["a", "b", "c"]
+
+
 def test_no_bound_keeps_everything() -> None:
     cache = CompileCache(max_entries=None)
     _, fn = _counting()

@@ -927,29 +927,35 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
 def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         ctl = _controller
-        if ctl is not None:
-            if ctl.metrics is None:
-                ctl.metrics = _open_metrics(self, ctl.name)
-            if not scheduler_output.total_num_scheduled_tokens:
-                # vLLM's engine loop also calls this for steps that scheduled nothing (while requests
-                # wait, e.g. for their grammars: tens of thousands of calls in a benchmark's warm-up).
-                # A planning engine handled them in schedule; a verify-all one does here.
-                if ctl.verifies_all:
-                    ctl.idle_step(scheduler_output.finished_req_ids)
-            elif (gids := getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)) is not None:
-                # A verify-all step (even if the scheduler changed since).
-                ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
-            else:
-                pending = getattr(self, _STEPS_ATTR, None)
-                entry = pending.pop(id(scheduler_output), None) if pending else None
-                if entry is not None and entry[0] is scheduler_output:
-                    ctl.finish(entry[2], model_runner_output)
-                elif ctl.verifies_all:
-                    # A verify-all step whose rows vLLM did not ask for, or scheduled before the
-                    # scheduler became verify-all: its grammar requests are found in the scheduler's map.
-                    ctl.finish_all(self.requests, scheduler_output, model_runner_output)
+        if ctl is None:
+            return orig(self, scheduler_output, model_runner_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            # vLLM's engine loop also calls this for steps that scheduled nothing: while a request
+            # waits, e.g. for its grammar, the loop spins (tens of steps per request at one request
+            # in flight). A planning engine handled them in schedule; a verify-all one does here, and
+            # only when there is something to do: a finished request to forget or steps to publish
+            # (after which nothing is left to publish when a request ends in a step that ran nothing).
+            if ctl.verifies_all and (scheduler_output.finished_req_ids or ctl.counts[_STEPS] != ctl.published):
+                if ctl.metrics is None:
+                    ctl.metrics = _open_metrics(self, ctl.name)
+                ctl.idle_step(scheduler_output.finished_req_ids)
+            return orig(self, scheduler_output, model_runner_output)
+        if ctl.metrics is None:
+            ctl.metrics = _open_metrics(self, ctl.name)
+        if (gids := getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)) is not None:
+            # A verify-all step (even if the scheduler changed since).
+            ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
+        else:
+            pending = getattr(self, _STEPS_ATTR, None)
+            entry = pending.pop(id(scheduler_output), None) if pending else None
+            if entry is not None and entry[0] is scheduler_output:
+                ctl.finish(entry[2], model_runner_output)
+            elif ctl.verifies_all:
+                # A verify-all step whose rows vLLM did not ask for, or scheduled before the
+                # scheduler became verify-all: its grammar requests are found in the scheduler's map.
+                ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)
-        if ctl is not None and ctl.counts[_STEPS] != ctl.published and getattr(self, "finished_req_ids", True):
+        if ctl.counts[_STEPS] != ctl.published and getattr(self, "finished_req_ids", True):
             # A request ended in this step: its steps are published before its output leaves the
             # engine core (a client that reads the metrics after its answer sees them).
             ctl.publish()

@@ -24,6 +24,7 @@ from maskplug.engines.sdk import GuardedGrammar, draft_validator, emitted_accept
 from maskplug.grammar.sdk import (
     AUTO,
     DEFAULT_MAX_WHITESPACE,
+    CompileCache,
     GrammarSpec,
     Matcher,
     Vocab,
@@ -358,13 +359,15 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         self._providers: dict[tuple[int, ...], Any] = {}
         self.provider = self._provider(None)
 
+    def _stop_key(self, stop_token_ids: Iterable[int] | None) -> tuple[int, ...]:
+        key = tuple(sorted({int(t) for t in stop_token_ids})) if stop_token_ids else ()
+        return () if key == tuple(sorted(self.vocab.eos_ids)) else key
+
     def _provider(self, stop_token_ids: Iterable[int] | None) -> Any:
         # vLLM hands each request its own stop set (EOS plus user stop ids),
         # allowed only where the grammar is complete; a provider is bound to
         # one stop set, so keep one per distinct set (normally just one).
-        key = tuple(sorted({int(t) for t in stop_token_ids})) if stop_token_ids else ()
-        if key == tuple(sorted(self.vocab.eos_ids)):
-            key = ()
+        key = self._stop_key(stop_token_ids)
         with self._lock:
             prov = self._providers.get(key)
             if prov is None:
@@ -391,6 +394,33 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         provider = self._provider(stop_token_ids)
         compiled = provider.compile(spec)
         return MaskplugGrammar(compiled.matcher(), spec, provider.vocab)
+
+    def compiled_grammar(
+        self, request_type: Any, grammar_spec: str, stop_token_ids: Iterable[int] | None = None
+    ) -> MaskplugGrammar | None:
+        """:meth:`compile_grammar` when the spec was compiled before for this stop set, else ``None``.
+
+        Nothing is compiled: the grammar comes from the provider's cache (a
+        provider with a :class:`~maskplug.grammar.bases.CompileCache`, for a
+        stop set seen before) and a matcher is started on it, which costs
+        microseconds (see :func:`~maskplug_vllm.common.make_grammar_init`).
+        """
+        with self._lock:
+            prov = self._providers.get(self._stop_key(stop_token_ids))
+        cache = getattr(prov, "cache", None)
+        if prov is None or not isinstance(cache, CompileCache):
+            return None
+        so = getattr(self.vllm_config, "structured_outputs_config", None)
+        spec = spec_from_vllm(
+            request_type,
+            grammar_spec,
+            disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False)),
+            max_whitespace=max_whitespace_from_env(),
+        )
+        compiled = cache.get(spec)
+        if compiled is None:
+            return None
+        return MaskplugGrammar(compiled.matcher(), spec, prov.vocab)
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """A CPU int32 bitmask with ``max_num_seqs`` rows, all tokens allowed."""

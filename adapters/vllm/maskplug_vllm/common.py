@@ -171,17 +171,30 @@ def make_apply_compacted(step_rows_of: CompactedRows) -> ApplyCompacted:
     return apply_compacted
 
 
-def make_grammar_init(orig: Callable[..., Any], *, record_backend_name: bool) -> Callable[..., Any]:
+def make_grammar_init(
+    orig: Callable[..., Any], *, record_backend_name: bool, ready_when_compiled: bool = False
+) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_init`` so the engine's backend is maskplug's.
 
     With ``record_backend_name`` the wrapper also sets the manager's
     ``backend_name`` to the backend vLLM resolved, as vLLM 0.33 does when it
     creates the backend itself (its one-backend-per-engine check reads it).
+
+    With ``ready_when_compiled`` a request whose grammar was compiled before
+    (the same spec and stop set, in the provider's cache) gets its grammar
+    at once (:meth:`~maskplug_vllm.backend.MaskplugBackend.compiled_grammar`)
+    where vLLM would hand the compile to its thread pool: the request can be
+    scheduled in the same step. Through the pool even a cached grammar is
+    ready only once that thread gets the GIL from the engine loop, which
+    spins on steps that schedule nothing meanwhile (about 5 ms per request
+    at one request in flight, ``benchmarks/RESULTS.md``). Everything else,
+    and a grammar not compiled yet, goes vLLM's way.
     """
 
     @wraps(orig)
     def grammar_init(self: Any, request: Any) -> None:
-        if request.structured_output_request is not None and self.backend is None:
+        sor = request.structured_output_request
+        if sor is not None and self.backend is None:
             structured = request.sampling_params.structured_outputs
             vllm_backend = structured._backend
             self.backend = MaskplugBackend(
@@ -192,9 +205,29 @@ def make_grammar_init(orig: Callable[..., Any], *, record_backend_name: bool) ->
             )
             if record_backend_name:
                 self.backend_name = vllm_backend
+        if ready_when_compiled and sor is not None and isinstance(self.backend, MaskplugBackend):
+            grammar = _compiled_grammar(self.backend, request)
+            if grammar is not None:
+                sor.grammar = grammar
+                return
         orig(self, request)
 
     return grammar_init
+
+
+def _compiled_grammar(backend: MaskplugBackend, request: Any) -> Any:
+    """The request's grammar from ``backend``'s compile cache, or ``None`` (not compiled yet, or not readable here).
+
+    What vLLM's own compile task passes (the request's spec key and stop
+    ids); any failure leaves the request to vLLM's task, which reports it.
+    """
+    try:
+        request_type, grammar_spec = request.structured_output_request.structured_output_key
+        params = request.sampling_params
+        stop = params.all_stop_token_ids if params is not None else None
+        return backend.compiled_grammar(request_type, grammar_spec, stop_token_ids=stop)
+    except Exception:
+        return None
 
 
 def make_grammar_bitmask(

@@ -271,7 +271,7 @@ def _fill_general(
 
 def make_grammar_init(orig: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap ``StructuredOutputManager.grammar_init`` so the engine's backend is maskplug's."""
-    return common.make_grammar_init(orig, record_backend_name=False)
+    return common.make_grammar_init(orig, record_backend_name=False, ready_when_compiled=True)
 
 
 def make_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:

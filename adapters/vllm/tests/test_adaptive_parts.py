@@ -185,8 +185,9 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     rng = np.random.default_rng(3)
     seen: list[tuple[int, int, int, int, bool, str]] = []
     sched = SimpleNamespace(vllm_config=None, finished_req_ids=set())
-    # vLLM's update_from_output, wrapped: a step maskplug holds no plan for and that ran nothing.
-    so_step = SimpleNamespace(total_num_scheduled_tokens=0)
+    # vLLM's update_from_output, wrapped: a step that ran the model but maskplug holds no plan for
+    # (its figures are tallied by hand below).
+    so_step = SimpleNamespace(total_num_scheduled_tokens=4)
     update = adaptive._make_update_from_output(lambda self, so, out: None)
     published = 0
     for step in range(300):
