@@ -27,7 +27,7 @@ import itertools
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,6 +243,16 @@ class Registry:
             # hook's caller is made once with the hook specifications: kept, it stays current.
             impls = self._step_end_impls = found
         return bool(impls)
+
+    def step_end_hooks(self) -> Sized | None:
+        """pluggy's own list of ``maskplug_step_end`` implementations, or ``None`` where pluggy keeps none.
+
+        The list stays current as plugins come and go (see
+        :meth:`step_end_listened`): an engine that keeps it asks whether
+        anyone listens with one truth test instead of two calls per step.
+        """
+        self.step_end_listened()
+        return self._step_end_impls
 
 
 _registry: Registry | None = None

@@ -135,17 +135,19 @@ def test_step_end_listened_follows_plugins_added_and_removed_after_the_first_que
     reg = mp.get_registry()
     assert reg.step_end_listened() is False
     assert reg.step_end_listened() is False  # asked again: the kept list
+    hooks = reg.step_end_hooks()  # the same list, kept by an engine: truthy while anyone listens
+    assert hooks is not None and not hooks
     seen: list[Any] = []
     observer = make_plugin(seen=seen)
     reg.add_plugin(observer, "late-observer")
-    assert reg.step_end_listened() is True
+    assert reg.step_end_listened() is True and len(hooks) == 1
     reg.step_end({"budget": 1})
     assert seen == [{"budget": 1}]
     reg.pm.unregister(observer)
-    assert reg.step_end_listened() is False
+    assert reg.step_end_listened() is False and not hooks
     # Registered with pluggy directly, not through add_plugin: it counts too.
     reg.pm.register(make_plugin(seen=seen), name="direct")
-    assert reg.step_end_listened() is True
+    assert reg.step_end_listened() is True and hooks and reg.step_end_hooks() is hooks
 
 
 def test_duplicate_name_is_recorded_and_the_first_owner_kept(entry_points: list[FakeEntryPoint]) -> None:

@@ -75,7 +75,7 @@ import importlib
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +425,10 @@ class _Controller:
         self.metrics: StepMetrics | None = None
         self.offsets: dict[str, int] = {}
         self.lock = threading.Lock()
+        hooks = get_registry().step_end_hooks()
+        #: pluggy's live list of ``maskplug_step_end`` hooks (truthy while anyone listens), or where
+        #: pluggy keeps no such list a stand-in that asks the registry each time.
+        self.hooks: Sized = hooks if hooks is not None else _AskRegistry()
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -727,13 +731,12 @@ class _Controller:
         if structured:
             c[_REGIME_AT[regime]] += 1
             c[_STRUCTURED] += 1
-        registry = get_registry()
-        if not registry.step_end_listened():
+        if not self.hooks:
             if c[_STEPS] - self.published >= FOLD_EVERY:
                 self.publish()
             return
         step = self.publish()  # every step counted and published: the record carries its own step number
-        registry.step_end(
+        get_registry().step_end(
             {
                 "step": step - 1,
                 "scheduler": self.name,
@@ -761,6 +764,13 @@ class _Controller:
             self.metrics.write(c)
         steps = self.published = c[_STEPS]
         return steps
+
+
+class _AskRegistry:
+    """:attr:`_Controller.hooks` where pluggy keeps no live list of its hooks: as long as the registry says."""
+
+    def __len__(self) -> int:
+        return int(get_registry().step_end_listened())
 
 
 def _probed(
