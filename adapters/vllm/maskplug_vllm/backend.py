@@ -384,13 +384,7 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         self, request_type: Any, grammar_spec: str, stop_token_ids: set[int] | None = None
     ) -> MaskplugGrammar:
         """Compile (cached by the provider) and start a matcher for one request."""
-        so = getattr(self.vllm_config, "structured_outputs_config", None)
-        spec = spec_from_vllm(
-            request_type,
-            grammar_spec,
-            disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False)),
-            max_whitespace=max_whitespace_from_env(),
-        )
+        spec = self._spec(request_type, grammar_spec)
         provider = self._provider(stop_token_ids)
         compiled = provider.compile(spec)
         return MaskplugGrammar(compiled.matcher(), spec, provider.vocab)
@@ -410,17 +404,21 @@ class MaskplugBackend(_Backend):  # type: ignore[misc,valid-type]
         cache = getattr(prov, "cache", None)
         if prov is None or not isinstance(cache, CompileCache):
             return None
+        spec = self._spec(request_type, grammar_spec)
+        compiled = cache.get(spec)
+        if compiled is None:
+            return None
+        return MaskplugGrammar(compiled.matcher(), spec, prov.vocab)
+
+    def _spec(self, request_type: Any, grammar_spec: str) -> GrammarSpec:
+        """The maskplug spec of a request key, with the engine's whitespace options."""
         so = getattr(self.vllm_config, "structured_outputs_config", None)
-        spec = spec_from_vllm(
+        return spec_from_vllm(
             request_type,
             grammar_spec,
             disable_any_whitespace=bool(getattr(so, "disable_any_whitespace", False)),
             max_whitespace=max_whitespace_from_env(),
         )
-        compiled = cache.get(spec)
-        if compiled is None:
-            return None
-        return MaskplugGrammar(compiled.matcher(), spec, prov.vocab)
 
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """A CPU int32 bitmask with ``max_num_seqs`` rows, all tokens allowed."""
