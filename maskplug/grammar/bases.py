@@ -85,16 +85,12 @@ class CompileCache:
         key = spec.key()
         with self._lock:
             if key in self._items:
-                self.hits += 1
-                self._items.move_to_end(key)
-                return self._items[key]
+                return self._hit(key)
             klock = self._key_locks.setdefault(key, threading.Lock())
         with klock:
             with self._lock:
                 if key in self._items:
-                    self.hits += 1
-                    self._items.move_to_end(key)
-                    return self._items[key]
+                    return self._hit(key)
                 self.misses += 1
             value = compile_fn(spec)  # raises on failure: nothing is stored
             with self._lock:
@@ -110,11 +106,13 @@ class CompileCache:
         """The cached value for ``spec`` (a hit, made the most recently used), or ``None``; nothing is compiled."""
         key = spec.key()
         with self._lock:
-            if key not in self._items:
-                return None
-            self.hits += 1
-            self._items.move_to_end(key)
-            return self._items[key]
+            return self._hit(key) if key in self._items else None
+
+    def _hit(self, key: str) -> Any:
+        """The value cached under ``key``, counted as a hit and made the most recently used (lock held)."""
+        self.hits += 1
+        self._items.move_to_end(key)
+        return self._items[key]
 
     def __len__(self) -> int:
         return len(self._items)
