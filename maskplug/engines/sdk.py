@@ -28,6 +28,7 @@ skip the per-step view and outcome (it verifies every draft and learns nothing).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -88,9 +89,17 @@ class PatchSet:
         self._tested = tested
         self.lock = threading.RLock()
         self._originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        # (module name, attribute, replacement, original) of each copy a module may bind at its import.
+        self._copies: list[tuple[str, str, Any, Any]] = []
 
-    def replace(self, owner: Any, attr: str, new: Any) -> None:
-        """Set ``owner.attr = new`` unless this set already replaced it (then nothing changes)."""
+    def replace(self, owner: Any, attr: str, new: Any, copies: Sequence[str] = ()) -> None:
+        """Set ``owner.attr = new`` unless this set already replaced it (then nothing changes).
+
+        ``copies`` names modules that bind the attribute at their import
+        (``from owner import attr``): those already imported are replaced
+        too, and :meth:`uninstall` also puts the original back in any of them
+        imported later, which bound the replacement then.
+        """
         with self.lock:
             key = (id(owner), attr)
             if key in self._originals:
@@ -101,8 +110,14 @@ class PatchSet:
                     f"{self.engine} internals: expected {getattr(owner, '__name__', owner)!r} to define {attr!r} "
                     f"(tested with {tested}), got nothing; this {self.engine} build does not match the tested source"
                 )
-            self._originals[key] = (owner, attr, getattr(owner, attr))
+            own = getattr(owner, attr)
+            self._originals[key] = (owner, attr, own)
             setattr(owner, attr, new)
+            for name in copies:
+                self._copies.append((name, attr, new, own))
+                module = sys.modules.get(name)
+                if module is not None:
+                    self.replace(module, attr, new)
 
     def wrap(self, owner: Any, attr: str, make: Callable[[Any], Any]) -> None:
         """Replace ``owner.attr`` by ``make(original)``, where ``original`` is the engine's own attribute."""
@@ -129,6 +144,12 @@ class PatchSet:
             for owner, attr, value in list(self._originals.values())[::-1]:
                 setattr(owner, attr, value)
             self._originals.clear()
+            for name, attr, new, own in self._copies:
+                module = sys.modules.get(name)
+                # Imported after the replacement, it bound the replacement: the original goes back too.
+                if module is not None and getattr(module, attr, None) is new:
+                    setattr(module, attr, own)
+            self._copies.clear()
 
 
 class GuardedGrammar:

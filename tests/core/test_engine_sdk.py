@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
 from typing import Any
@@ -82,6 +83,38 @@ def test_replace_once_keep_the_original_and_put_everything_back() -> None:
     assert ps.installed() and eng.other() == "maskplug"
     ps.uninstall()
     assert eng.step is own_step and eng.other is own_other and not ps.installed()
+
+
+def test_copies_bound_at_import_are_replaced_and_put_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that binds the attribute at its import gets the original back, imported before or after."""
+    owner = types.ModuleType("toy_owner")
+    own = owner.step = lambda: "engine"  # type: ignore[attr-defined]
+    new = lambda: "maskplug"  # noqa: E731
+    before = types.ModuleType("toy_before")
+    before.step = own  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "toy_before", before)
+    monkeypatch.delitem(sys.modules, "toy_after", raising=False)
+    ps = PatchSet("toy", "toy 1.0")
+    ps.replace(owner, "step", new, copies=("toy_before", "toy_after"))
+    assert owner.step is new and before.step is new  # type: ignore[attr-defined]
+    # Imported after the replacement: ``from toy_owner import step`` binds it.
+    after = types.ModuleType("toy_after")
+    after.step = owner.step  # type: ignore[attr-defined]
+    unrelated = types.ModuleType("toy_unrelated")
+    unrelated.step = owner.step  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "toy_after", after)
+    monkeypatch.setitem(sys.modules, "toy_unrelated", unrelated)
+    ps.uninstall()
+    assert owner.step is own and before.step is own and after.step is own  # type: ignore[attr-defined]
+    assert unrelated.step is new  # type: ignore[attr-defined]  # not named: left alone
+    assert not ps.installed()
+    # A copy imported later that holds something else (its own choice) is left as it is.
+    monkeypatch.delitem(sys.modules, "toy_after")
+    ps.replace(owner, "step", new, copies=("toy_after",))
+    after.step = other = lambda: "other"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "toy_after", after)
+    ps.uninstall()
+    assert owner.step is own and after.step is other  # type: ignore[attr-defined]
 
 
 def test_a_missing_attribute_names_it_and_what_was_tested() -> None:

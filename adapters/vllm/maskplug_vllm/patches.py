@@ -8,7 +8,7 @@ replaces exactly these attributes, and nothing else:
 attribute                                                              replaced by
 =====================================================================  =======================================
 ``vllm.v1.structured_output.utils.apply_grammar_bitmask``              the scatter-path apply
-``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (if loaded)  the same
+``vllm.v1.worker.gpu_model_runner.apply_grammar_bitmask`` (its copy)    the same
 ``StructuredOutputsWorker.apply_grammar_bitmask``                      the compacted-worker apply
 ``StructuredOutputManager.grammar_init``                               serves grammars from maskplug's providers
 ``StructuredOutputManager.grammar_bitmask``                            rows from :func:`maskplug.fill_draft_masks`
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,6 +85,7 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 _patches = PatchSet("vllm", lambda: f"vLLM {vllm_version()}")
+_RUNNER = "vllm.v1.worker.gpu_model_runner"  # binds ``apply_grammar_bitmask`` at its import
 _lock = _patches.lock
 _replace = _patches.replace
 
@@ -162,12 +162,9 @@ def install(*, worker: bool = True, scheduler: bool = True) -> None:
     with _lock:
         if worker:
             so_utils = importlib.import_module("vllm.v1.structured_output.utils")
-            _replace(so_utils, "apply_grammar_bitmask", impl.apply_scatter)
-            # The runner binds the name at import; if it is already imported,
-            # rebind it there too (otherwise the import above is what it gets).
-            runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
-            if runner is not None:
-                _replace(runner, "apply_grammar_bitmask", impl.apply_scatter)
+            # The runner binds the name at import: already imported, it is rebound too; imported
+            # later, it gets the replacement from the module, and uninstall gives it vLLM's back.
+            _replace(so_utils, "apply_grammar_bitmask", impl.apply_scatter, copies=(_RUNNER,))
             so_worker = importlib.import_module("vllm.v1.worker.gpu.structured_outputs")
             _replace(so_worker.StructuredOutputsWorker, "apply_grammar_bitmask", _method(impl.apply_compacted))
         if scheduler:

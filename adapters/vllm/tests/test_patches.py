@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import sys
+import types
 from typing import Any
 
 import maskplug_vllm
@@ -59,6 +61,38 @@ def test_register_with_the_switch_patches_and_uninstall_restores(monkeypatch: py
     finally:
         maskplug_vllm.uninstall()
     assert _current() == before
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+
+@pytest.mark.parametrize("imported", ["before", "after"])
+def test_the_runners_copy_of_the_apply_is_replaced_and_put_back(monkeypatch: pytest.MonkeyPatch, imported: str) -> None:
+    """vLLM's model runner binds ``apply_grammar_bitmask`` at its import: vLLM's own comes back either way.
+
+    Imported before install, the runner's name is replaced with the module's;
+    imported after (vLLM loads plugins before its workers import the runner),
+    it binds maskplug's apply from the module, and uninstall puts vLLM's back
+    there too (an engine switched back to vLLM's path must not keep masking
+    with maskplug's apply).
+    """
+    own = so_utils.apply_grammar_bitmask
+    runner = types.ModuleType(RUNNER)  # a stand-in: the real one imports the whole model runner
+    runner.apply_grammar_bitmask = own  # type: ignore[attr-defined]
+    if imported == "before":
+        monkeypatch.setitem(sys.modules, RUNNER, runner)
+    else:
+        monkeypatch.delitem(sys.modules, RUNNER, raising=False)
+    try:
+        maskplug_vllm.install()
+        if imported == "after":
+            runner.apply_grammar_bitmask = so_utils.apply_grammar_bitmask  # type: ignore[attr-defined]
+            monkeypatch.setitem(sys.modules, RUNNER, runner)
+        assert runner.apply_grammar_bitmask is patches.implementations().apply_scatter  # type: ignore[attr-defined]
+    finally:
+        maskplug_vllm.uninstall()
+    assert so_utils.apply_grammar_bitmask is own
+    assert runner.apply_grammar_bitmask is own  # type: ignore[attr-defined]
 
 
 def test_untested_vllm_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
