@@ -38,6 +38,9 @@ _ARANGE: dict[int, IntArray] = {}
 
 #: Up to this many bytes of rows, :func:`_complete` counts allowed tokens with Python ints rather than numpy.
 _PY_COUNT_BYTES = 4096
+#: Rows of at most this many bytes are checked for one that allows nothing as one byte string
+#: (:func:`_complete_unforced`); above it the copy costs more than numpy's reduction in place.
+_BYTES_SCAN = 1 << 16
 
 
 def _arange(n: int) -> IntArray:
@@ -251,7 +254,7 @@ def walk_windows(
         restore_after_interrupt(matchers, advanced, exc)
         raise
     if walk is None:
-        width = max(len(w) for w in windows) + 1 if g_count else 0
+        width = max(map(len, windows)) + 1 if g_count else 0
         bm = bitmask.numpy() if host is None else host
         done = _complete(bm, total, row0, last, acceptable, vocabs, width, find_forced)
         if done is not None:
@@ -291,14 +294,31 @@ def _complete_unforced(
     """:func:`_complete` without ``forced``: whether every row of the step allows a token.
 
     The rows no request filled are opened first, so every row below
-    ``total`` either holds a grammar's mask or allows everything; one
-    reduction per row then says whether a filled one allows nothing (three
-    numpy calls where the counts take twice as many, and no pass over the
-    rows in Python).
+    ``total`` either holds a grammar's mask or allows everything. Rows whose
+    every word holds vocabulary tokens (the usual width) are one byte string:
+    a row that allows nothing is a run of zero bytes starting on a row
+    boundary, found by ``bytes.find`` (a C scan, and no pass over the rows in
+    Python; between an engine's forward passes each Python line and numpy call
+    costs microseconds), up to :data:`_BYTES_SCAN` bytes of rows. More rows,
+    or a narrower vocabulary (each row's last word masked): one reduction per
+    row says whether a filled one allows nothing.
     """
     for a, b in gaps:
         bm[a:b] = -1
     rows = bm[:total]
+    words = bm.shape[1]
+    wb = 4 * words
+    if size == 32 * words and total * wb <= _BYTES_SCAN:
+        buf = rows.tobytes()
+        zero = bytes(wb)
+        at = buf.find(zero)
+        while at >= 0 and at % wb:
+            # A run of zeros across two rows (the end of one mask and the start of the next):
+            # an all-zero row can only start at the next row boundary or later.
+            at = buf.find(zero, (at // wb + 1) * wb)
+        if at >= 0:
+            return None  # a row that allows nothing: the general assembly fails its request
+        return _served_plain(acceptable, width)
     f, r = divmod(size, 32)
     live = rows[:, :f].any(axis=1)
     if r:
@@ -347,11 +367,11 @@ def _complete(
     # Requests in row order (the producer's usual order needs no sort).
     in_order = g_count < 2 or all(row0[g] < row0[g + 1] for g in range(g_count - 1))
     order = range(g_count) if in_order else sorted(range(g_count), key=row0.__getitem__)
+    if not find_forced:
+        return _complete_unforced(bm, total, _gaps(order, row0, last, total), acceptable, size, width)
     # A few narrow rows: each filled row read as one Python int (little-endian words: bit t is token t);
     # more: numpy counts every row's allowed tokens at once.
     small = total * wb <= _PY_COUNT_BYTES
-    if not small and not find_forced:
-        return _complete_unforced(bm, total, _gaps(order, row0, last, total), acceptable, size, width)
     whole: list[int] = []
     below: list[int] = []
     if small:

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 from grammar_testkit import PROVIDERS, small_vocab
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from maskplug import GrammarRows, GrammarSpec, ScheduledLayout, fill_draft_masks, fill_tree_masks, grammar_provider
+from maskplug.engines.sdk import fill_windows_serially
+from maskplug.grammar import serial
 from maskplug.grammar.draft import dead_rows
 from maskplug.grammar.rows import stop_row
 from maskplug.trees import DraftTree
@@ -158,3 +163,66 @@ def test_dead_rows_counts_only_bits_within_the_vocabulary() -> None:
     filled = np.array([[True, True, False]])
     assert dead_rows(bm, np.array([0]), filled, [VOCAB]) == {0: 0}
     assert dead_rows(bm, np.array([0]), np.array([[False, True, False]]), [VOCAB]) == {}
+
+
+# -- the serial walk's check on rows of the usual width ------------------------------------------
+
+EXACT = small_vocab(extra=128 - 102)  # vocab_size 128: every word holds tokens, rows are checked as bytes
+# Row kinds: every token, none, only the last token (zeros from the row's start), only token 0 (zeros to its end).
+KINDS = ("first", "last", "none", "open")
+
+
+def _kind_row(kind: str) -> torch.Tensor:
+    row = torch.full((EXACT.mask_words,), -1 if kind == "open" else 0, dtype=torch.int32)
+    if kind == "last":
+        row[-1] = -(1 << 31)
+    elif kind == "first":
+        row[0] = 1
+    return row
+
+
+class Scripted(DeadAfter):
+    """Takes every token; after ``n`` tokens it fills the row of kind ``kinds[n]``."""
+
+    def __init__(self, kinds: Sequence[str]) -> None:
+        super().__init__(0)
+        self.vocab = EXACT
+        self.kinds = list(kinds)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> bool:
+        bitmask[row] = _kind_row(self.kinds[self.n])
+        return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(KINDS), min_size=1, max_size=5), min_size=1, max_size=4))
+def test_serial_walk_fails_exactly_the_requests_with_an_empty_row(kinds: list[list[str]]) -> None:
+    """Rows of the usual width are checked as one byte string: a run of zeros across two rows (one
+    mask's end, the next one's start) is no empty row; an all-zero row anywhere fails its request,
+    with or without the single-token rows looked for, and the other requests keep their rows."""
+    windows = [[5] * (len(k) - 1) for k in kinds]
+    row0 = np.concatenate([[0], np.cumsum([len(k) for k in kinds])[:-1]]).tolist()
+    total = sum(len(k) for k in kinds)
+    dead = {g for g, k in enumerate(kinds) if "none" in k}
+    results = []
+    for find_forced in (False, True):
+        bm = EXACT.new_bitmask(total)
+        ms = [Scripted(k) for k in kinds]
+        if dead:
+            dm = fill_windows_serially(ms, windows, row0, bm, total, find_forced=find_forced)
+        else:
+            # Every request served: decided by the walk's own check, not handed to the general assembly.
+            with mock.patch.object(serial, "_general", side_effect=AssertionError("general assembly")):
+                dm = fill_windows_serially(ms, windows, row0, bm, total, find_forced=find_forced)
+        assert set(dm.failed) == dead
+        for g, k in enumerate(kinds):
+            rows = bm[row0[g] : row0[g] + len(k)]
+            if g in dead:
+                assert bool((rows == stop_row(EXACT)).all())
+                assert dm.acceptable[g] == 0
+            else:
+                assert torch.equal(rows, torch.stack([_kind_row(x) for x in k]))
+                assert dm.acceptable[g] == len(k) - 1
+        results.append(dm)
+    assert results[0].acceptable.tolist() == results[1].acceptable.tolist()
+    assert not results[0].forced.any()
