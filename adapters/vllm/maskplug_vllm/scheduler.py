@@ -103,6 +103,8 @@ def _fill_few(
     grammar_req_ids: list[str],
     spec_tokens: dict[str, list[int]],
     find_forced: bool = True,
+    requests: Mapping[str, Any] | None = None,
+    grammars: list[Any] | None = None,
 ) -> tuple[int, DraftMasks, np.ndarray] | None:
     """The rows of a step with few grammar requests, by :func:`maskplug.fill_draft_masks`'s own serial walk.
 
@@ -121,13 +123,19 @@ def _fill_few(
     matcher without a vocabulary or with another width, a draft id outside
     the vocabulary, or a bitmask the check refuses (the general path then
     raises or fails those requests, with its own messages).
+
+    With ``requests`` (vLLM's map of the scheduler's requests) the matchers
+    are those of the requests' grammars, taken in the same pass and appended
+    to ``matchers`` (given empty), each grammar bound to its request and
+    appended to ``grammars``; ``None`` as soon as one is not a
+    :class:`~maskplug_vllm.backend.MaskplugGrammar` or has failed.
     """
     g_count = len(grammar_req_ids)
-    if g_count == 0 or len(matchers) != g_count:
+    if g_count == 0 or (requests is None and len(matchers) != g_count):
         return None
-    if g_count > 1 and len(set(map(id, matchers))) != g_count:
-        return None
-    # One pass: each matcher's type and vocabulary, its window cut at the first -1, its first row.
+    # One pass: each matcher's type and vocabulary, its window cut at the first -1, its first row
+    # (with ``requests`` also each request's grammar bound and its matcher taken: at one request in
+    # flight each pass over the requests between forward passes costs microseconds).
     v0 = None
     words = size = 0
     windows: list[Sequence[int]] = []
@@ -135,7 +143,19 @@ def _fill_few(
     total = 0
     get = spec_tokens.get
     for g in range(g_count):
-        m = matchers[g]
+        if requests is None:
+            m = matchers[g]
+        else:
+            req = requests[grammar_req_ids[g]]
+            gr = req.structured_output_request.grammar
+            if not isinstance(gr, MaskplugGrammar) or gr.error is not None:
+                return None
+            if gr._request is None or gr._request() is not req:
+                gr.bind(req)
+            if grammars is not None:
+                grammars.append(gr)
+            m = gr.matcher
+            matchers.append(m)
         cls = m.__class__
         if cls not in _MATCHER_TYPES:
             if not isinstance(m, Matcher):
@@ -163,6 +183,8 @@ def _fill_few(
         windows.append(d if k == n else d[:k])
         row0.append(total)
         total += n + 1
+    if g_count > 1 and len(set(map(id, matchers))) != g_count:
+        return None
     buf = common.checked_buffer(bitmask, v0)
     if buf is None or total > buf[0]:
         return None
@@ -191,17 +213,7 @@ def few_rows(
     ``forced`` is all False (:func:`maskplug.engines.sdk.fill_windows_serially`).
     """
     grammars: list[Any] = []
-    matchers: list[Any] = []
-    for r in grammar_req_ids:
-        req = requests[r]
-        g = req.structured_output_request.grammar
-        if not isinstance(g, MaskplugGrammar) or g.error is not None:
-            return None
-        if g._request is None or g._request() is not req:
-            g.bind(req)
-        grammars.append(g)
-        matchers.append(g.matcher)
-    done = _fill_few(manager._grammar_bitmask, matchers, grammar_req_ids, spec_tokens, find_forced)
+    done = _fill_few(manager._grammar_bitmask, [], grammar_req_ids, spec_tokens, find_forced, requests, grammars)
     if done is None:
         return None
     return done[0], done[1], grammars, done[2]
