@@ -828,6 +828,25 @@ def _draft_masks_for(layout: ScheduledLayout, grammar_output: Any) -> DraftMasks
 
 _controller: _Controller | None = None
 _install_lock = threading.Lock()
+#: The engine core's wrappers that only a planning scheduler uses, ``(owner, attribute) -> wrapper``:
+#: under ``verify-all`` they would only return what vLLM's own method returns (it plans nothing and
+#: takes no confidences), so vLLM's own method is in place instead (:func:`_planning_wrappers`).
+_PLANNING_ONLY: dict[tuple[Any, str], Any] = {}
+
+
+def _planning_wrappers(on: bool) -> None:
+    """Put the planning-only wrappers in place (``on``) or vLLM's own methods (``verify-all``).
+
+    At one request in flight each wrapper's call between forward passes costs
+    microseconds, for nothing under ``verify-all``. An attribute that holds
+    neither (something else wrapped it since) is left as it is.
+    """
+    for (owner, attr), wrapper in _PLANNING_ONLY.items():
+        own = patches.original(owner, attr)
+        now = getattr(owner, attr)
+        want = wrapper if on else own
+        if now is not want and (now is wrapper or now is own):
+            setattr(owner, attr, want)
 
 
 # -- the patches ----------------------------------------------------------------------------------
@@ -1030,15 +1049,17 @@ def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel |
         proposer = proposer_mod.SpecDecodeBaseProposer
         orig_grammar = patches.original(cls, "get_grammar_bitmask")
         # The engine core: decide (schedule), hand back the rows, learn the outcome, take confidences.
-        patches._replace(cls, "schedule", _make_schedule(patches.original(cls, "schedule"), orig_grammar))
+        planning_only = {
+            "schedule": _make_schedule(patches.original(cls, "schedule"), orig_grammar),
+            "update_draft_token_ids": _make_update_draft_token_ids(patches.original(cls, "update_draft_token_ids")),
+        }
+        for attr, wrapper in planning_only.items():
+            if not patches._patches.replaced(cls, attr):
+                patches._replace(cls, attr, wrapper)
+                _PLANNING_ONLY[(cls, attr)] = wrapper
         patches._replace(cls, "get_grammar_bitmask", _make_get_grammar_bitmask(orig_grammar))
         patches._replace(
             cls, "update_from_output", _make_update_from_output(patches.original(cls, "update_from_output"))
-        )
-        patches._replace(
-            cls,
-            "update_draft_token_ids",
-            _make_update_draft_token_ids(patches.original(cls, "update_draft_token_ids")),
         )
         # The workers: apply the compacted step; a model drafter records its confidences.
         patches._replace(runner, "execute_model", _make_execute_model(patches.original(runner, "execute_model")))
@@ -1063,6 +1084,7 @@ def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel |
             assert scheduler is not None
             sched, name = _resolve(scheduler)
             _controller = _Controller(sched, name, cost if cost is not None else _cost_from_env())
+            _planning_wrappers(not _controller.verifies_all)
             return
     if scheduler is not None:
         set_scheduler(scheduler)
@@ -1186,6 +1208,7 @@ def set_scheduler(scheduler: str | Scheduler) -> None:
         ctl.scheduler, ctl.name = sched, name
         if ctl.metrics is not None:
             ctl.metrics.set_scheduler(name)
+        _planning_wrappers(not ctl.verifies_all)
 
 
 def set_cost_model(cost: CostModel) -> None:
@@ -1277,3 +1300,4 @@ def _uninstall_adaptive() -> None:
     """Forget the scheduler (the patches themselves go with :func:`maskplug_vllm.uninstall`)."""
     global _controller
     _controller = None
+    _PLANNING_ONLY.clear()
