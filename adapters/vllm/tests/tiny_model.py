@@ -344,9 +344,9 @@ def count_producer_steps(counts: dict[str, int]) -> None:
         matchers: list[Any],
         grammar_req_ids: list[str],
         spec_tokens: dict[str, list[int]],
-        find_forced: bool = True,
+        *args: Any,
     ) -> Any:
-        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens, find_forced)
+        out = real_few(bitmask, matchers, grammar_req_ids, spec_tokens, *args)
         if out is not None:
             count(grammar_req_ids, spec_tokens)
         return out
