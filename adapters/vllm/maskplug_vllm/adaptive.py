@@ -45,15 +45,19 @@ The attributes replaced (besides those of :mod:`maskplug_vllm.patches`):
 ==========================================================  ============================================
 attribute                                                   what it does in addition
 ==========================================================  ============================================
-``vllm.v1.core.sched.scheduler.Scheduler.schedule``         rows, draft masks, budget and compacted step
-``Scheduler.get_grammar_bitmask``                           hands back those rows
+``vllm.v1.core.sched.scheduler.Scheduler.schedule``         rows, draft masks, budget, compacted step (*)
+``Scheduler.get_grammar_bitmask``                           hands back those rows (*)
 ``Scheduler.update_from_output``                            reports the outcome, counts, fires the hook
-``Scheduler.update_draft_token_ids``                        keeps the drafter's confidences
+``Scheduler.update_draft_token_ids``                        keeps the drafter's confidences (*)
 ``GPUModelRunner.execute_model`` (CPU runner's too)         runs the compacted step
 ``GPUModelRunner.take_draft_token_ids``                     returns the drafter's confidences too
 ``SpecDecodeBaseProposer.propose`` / ``._greedy_sample``    record the draft model's probabilities
 ``vllm.engine.arg_utils.EngineArgs.create_engine_config``   refuses what cannot work (:func:`check_config`)
 ==========================================================  ============================================
+
+(*) Only for a scheduler that plans: under the built-in ``verify-all`` vLLM's
+own methods run there (it plans nothing and learns nothing; its steps are
+only counted, in ``update_from_output``).
 
 Executors: vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 and its engine-core process (``LLM(...)``'s default, the OpenAI server),
@@ -632,7 +636,8 @@ class _Controller:
         plan between the two calls (the requests that finished are forgotten
         here too). ``gids`` are the step's grammar requests when its grammar
         output is at hand, else they are found in ``requests``, the
-        scheduler's own map, as vLLM finds them.
+        scheduler's own map, as vLLM finds them (only those with drafts
+        unless ``maskplug_step_end`` listeners want their number).
         """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
@@ -671,14 +676,27 @@ class _Controller:
         if gids is not None:
             num_grammar = len(gids)
             structured = bool(total) and any(map(drafts_of, gids))
-        elif getattr(so, "has_structured_output_requests", True):
-            # The requests vLLM's get_grammar_bitmask produces rows for.
+        elif not getattr(so, "has_structured_output_requests", True):
+            pass
+        elif self.hooks:
+            # The listeners' record counts the requests vLLM's get_grammar_bitmask produces rows for.
             for r in nst:
                 req = requests.get(r)
                 if req is not None and req.use_structured_output and not req.is_prefill_chunk:
                     num_grammar += 1
                     if total and drafts_of(r):
                         structured = True
+        elif total:
+            # Only whether one of them had drafts: the requests with drafts are enough to look at.
+            for r, d in spec.items():
+                if (
+                    d
+                    and (req := requests.get(r)) is not None
+                    and req.use_structured_output
+                    and not req.is_prefill_chunk
+                ):
+                    structured = True
+                    break
         finished = so.finished_req_ids
         if finished:
             self.confidences.forget(list(finished))
@@ -829,8 +847,8 @@ def _draft_masks_for(layout: ScheduledLayout, grammar_output: Any) -> DraftMasks
 _controller: _Controller | None = None
 _install_lock = threading.Lock()
 #: The engine core's wrappers that only a planning scheduler uses, ``(owner, attribute) -> wrapper``:
-#: under ``verify-all`` they would only return what vLLM's own method returns (it plans nothing and
-#: takes no confidences), so vLLM's own method is in place instead (:func:`_planning_wrappers`).
+#: under ``verify-all`` they would only return what vLLM's own method returns (it plans nothing, has
+#: no rows made ahead to hand back and takes no confidences), so vLLM's own method is in place instead (:func:`_planning_wrappers`).
 _PLANNING_ONLY: dict[tuple[Any, str], Any] = {}
 
 
@@ -855,13 +873,6 @@ def _planning_wrappers(on: bool) -> None:
 #: alive so the id stays its own), its grammar output and the plan, made in ``schedule``
 #: (``get_grammar_bitmask`` hands its rows back).
 _STEPS_ATTR = "_maskplug_steps"
-
-#: Attribute of vLLM's scheduler output marking a ``verify-all`` step: its grammar requests, set by
-#: ``get_grammar_bitmask`` after vLLM's own call produced the rows (the step has been handed to the
-#: executor by then, so it never travels to the workers), read by ``update_from_output`` to count
-#: the step. On the output itself, the step needs no entry in a map of pending steps.
-_GRAMMAR_IDS_ATTR = "_maskplug_grammar_ids"
-
 
 _MAX_PENDING = 16
 
@@ -943,12 +954,7 @@ def _make_get_grammar_bitmask(orig: Callable[..., Any]) -> Callable[..., Any]:
             entry = pending.get(id(scheduler_output))
             if entry is not None and entry[0] is scheduler_output:
                 return entry[1]
-        out = orig(self, scheduler_output)
-        ctl = _controller
-        if ctl is not None and ctl.verifies_all:
-            # A verify-all step (not planned): update_from_output counts it with these grammar requests.
-            setattr(scheduler_output, _GRAMMAR_IDS_ATTR, out.structured_output_request_ids if out is not None else ())
-        return out
+        return orig(self, scheduler_output)
 
     return wraps(orig)(get_grammar_bitmask)
 
@@ -971,18 +977,17 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
             return orig(self, scheduler_output, model_runner_output)
         if ctl.metrics is None:
             ctl.metrics = _open_metrics(self, ctl.name)
-        if (gids := getattr(scheduler_output, _GRAMMAR_IDS_ATTR, None)) is not None:
-            # A verify-all step (even if the scheduler changed since).
-            ctl.finish_all(self.requests, scheduler_output, model_runner_output, gids)
+        pending = getattr(self, _STEPS_ATTR, None)
+        entry = pending.pop(id(scheduler_output), None) if pending else None
+        if entry is not None and entry[0] is scheduler_output:
+            ctl.finish(entry[2], model_runner_output)
         else:
-            pending = getattr(self, _STEPS_ATTR, None)
-            entry = pending.pop(id(scheduler_output), None) if pending else None
-            if entry is not None and entry[0] is scheduler_output:
-                ctl.finish(entry[2], model_runner_output)
-            elif ctl.verifies_all:
-                # A verify-all step whose rows vLLM did not ask for, or scheduled before the
-                # scheduler became verify-all: its grammar requests are found in the scheduler's map.
-                ctl.finish_all(self.requests, scheduler_output, model_runner_output)
+            # A step that was not planned: verify-all's (even if the scheduler changed since it was
+            # scheduled), every draft verified. Its grammar requests are read off the scheduler's
+            # map, as vLLM's get_grammar_bitmask reads them (nothing changes them in between: the
+            # engine core's loop runs the step's three calls one after the other, asynchronous
+            # scheduling being refused).
+            ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)
         if ctl.counts[_STEPS] != ctl.published and getattr(self, "finished_req_ids", True):
             # A request ended in this step: its steps are published before its output leaves the
@@ -1051,13 +1056,13 @@ def install_adaptive(scheduler: str | Scheduler | None = None, cost: CostModel |
         # The engine core: decide (schedule), hand back the rows, learn the outcome, take confidences.
         planning_only = {
             "schedule": _make_schedule(patches.original(cls, "schedule"), orig_grammar),
+            "get_grammar_bitmask": _make_get_grammar_bitmask(orig_grammar),
             "update_draft_token_ids": _make_update_draft_token_ids(patches.original(cls, "update_draft_token_ids")),
         }
         for attr, wrapper in planning_only.items():
             if not patches._patches.replaced(cls, attr):
                 patches._replace(cls, attr, wrapper)
                 _PLANNING_ONLY[(cls, attr)] = wrapper
-        patches._replace(cls, "get_grammar_bitmask", _make_get_grammar_bitmask(orig_grammar))
         patches._replace(
             cls, "update_from_output", _make_update_from_output(patches.original(cls, "update_from_output"))
         )

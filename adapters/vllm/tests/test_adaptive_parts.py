@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -184,11 +185,13 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     ctl.metrics = metrics.StepMetrics(tmp_path, 0, "goodput")
     rng = np.random.default_rng(3)
     seen: list[tuple[int, int, int, int, bool, str]] = []
-    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set())
-    # vLLM's update_from_output, wrapped: a step that ran the model but maskplug holds no plan for
-    # (its figures are tallied by hand below).
+    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests={})
+    # vLLM's update_from_output, wrapped: a step that ran the model but maskplug holds no plan for,
+    # counted as a verify-all step; its figures are drawn below and tallied in place of finish_all's.
     so_step = SimpleNamespace(total_num_scheduled_tokens=4)
     update = adaptive._make_update_from_output(lambda self, so, out: None)
+    figures: list[Any] = []
+    monkeypatch.setattr(ctl, "finish_all", lambda requests, so, out: ctl._tally(*figures))
     published = 0
     for step in range(300):
         nd = int(rng.integers(0, 9))
@@ -199,7 +202,7 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
         finished = rng.random() < 0.05
         # The step's outcome, counted where vLLM's update_from_output runs (an unplanned verify-all step).
         sched.finished_req_ids = {"done"} if finished else set()
-        ctl._tally(nd, b, emitted, acc, structured, regime, 4, 2, 0)
+        figures[:] = [nd, b, emitted, acc, structured, regime, 4, 2, 0]
         update(sched, so_step, None)
         seen.append((nd, b, acc, emitted, structured, regime))
         assert ctl.unpublished < adaptive.FOLD_EVERY
@@ -234,10 +237,11 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
 ) -> None:
     """The engine core's three wrappers under ``verify-all``, in vLLM's order for each step.
 
-    ``schedule`` hands vLLM's output back untouched and keeps nothing;
-    ``get_grammar_bitmask`` marks the output with the step's grammar
-    requests; ``update_from_output`` counts the step from it (also when the
-    scheduler was switched in between), forgets the requests that finished,
+    ``schedule`` and ``get_grammar_bitmask`` hand vLLM's outputs back
+    untouched and keep nothing (in the engine vLLM's own methods run there
+    instead); ``update_from_output`` counts the step from the scheduler
+    output, the runner's output and the scheduler's map of requests (also
+    when the scheduler was switched in between), forgets the requests that finished,
     and on a step that ran nothing counts what waited.
     """
     from maskplug.schedulers import VerifyAllScheduler
@@ -247,9 +251,12 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
     monkeypatch.setattr(adaptive, "_controller", ctl)
     assert ctl.verifies_all
     ctl.confidences.record(["a", "b"], [[0.5, 0.5], [0.5, 0.5]])
-    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests={})
+    # "a" is a grammar request, "b" is not, "c" is one in a prefill chunk.
+    requests = {r: SimpleNamespace(use_structured_output=r != "b", is_prefill_chunk=r == "c") for r in ("a", "b", "c")}
+    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests=requests)
     schedule = adaptive._make_schedule(lambda self, so: so, lambda self, so: pytest.fail("rows in schedule"))
-    rows = adaptive._make_get_grammar_bitmask(lambda self, so: SimpleNamespace(structured_output_request_ids=["a"]))
+    grammar_output = SimpleNamespace(structured_output_request_ids=["a"])
+    rows = adaptive._make_get_grammar_bitmask(lambda self, so: grammar_output)
     seen: list[Any] = []
     update = adaptive._make_update_from_output(lambda self, so, out: seen.append(so))
 
@@ -260,6 +267,7 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
             scheduled_spec_decode_tokens={r: d for r, d in spec.items() if d},
             total_num_scheduled_tokens=sum(nst.values()),
             finished_req_ids=set(finished),
+            has_structured_output_requests=True,
         )
         assert schedule(sched, so) is so and not hasattr(sched, adaptive._STEPS_ATTR)
         return so, SimpleNamespace(
@@ -268,12 +276,13 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
 
     # Step 1: both requests drafted; "a" (a grammar request) had 2 of 3 accepted, "b" none of 2.
     so, out = step({"a": [1, 2, 3], "b": [4, 5]}, {"a": 3, "b": 1})
-    rows(sched, so)
-    assert getattr(so, adaptive._GRAMMAR_IDS_ATTR) == ["a"]
+    before = set(vars(so))
+    assert rows(sched, so) is grammar_output
     update(sched, so, out)
+    assert set(vars(so)) == before  # nothing of maskplug's on vLLM's output
     # Step 2: the scheduler is switched between the rows and the outcome; the step is still counted.
     so, out = step({"a": [1], "b": []}, {"a": 2, "b": 1}, finished=("b",))
-    rows(sched, so)
+    assert rows(sched, so) is grammar_output
     ctl.scheduler = GoodputScheduler()
     assert not ctl.verifies_all
     update(sched, so, out)
@@ -282,17 +291,20 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
         [0.5, 0.5],
         [1.0, 1.0],  # "b" finished: forgotten, so it reads as new
     ]
+    # Step 3: drafts only for requests without rows (no grammar, a prefill chunk): not a structured step.
+    so, out = step({"b": [4], "c": [5, 6]}, {"b": 2, "c": 1})
+    update(sched, so, out)
     # An empty step announcing a finished request: what waited is counted and published.
     empty = SimpleNamespace(total_num_scheduled_tokens=0, finished_req_ids={"a"})
     rows(sched, empty)
     assert ctl.unpublished
     update(sched, empty, None)
-    assert ctl.unpublished == 0 and len(seen) == 3
+    assert ctl.unpublished == 0 and len(seen) == 4
     assert ctl.confidences.for_step(["a"], {"a": [1, 2]})[1].tolist() == [[1.0, 1.0]]
-    want = {"steps": 2, "drafts_scheduled": 6, "drafts_verified": 6, "drafts_accepted": 3, "tokens_emitted": 7}
+    want = {"steps": 3, "drafts_scheduled": 9, "drafts_verified": 9, "drafts_accepted": 4, "tokens_emitted": 10}
     assert {k: ctl.stats[k] for k in want} == want
     assert ctl.stats["structured_steps"] == 2 and ctl.stats["regimes"]["full"] == 2
-    assert metrics.read_metrics(tmp_path)["0"]["steps"] == 2
+    assert metrics.read_metrics(tmp_path)["0"]["steps"] == 3
 
 
 def _config(**over: Any) -> SimpleNamespace:
@@ -376,9 +388,12 @@ def _runner_steps(draw: st.DrawFn) -> tuple[dict[str, list[int]], dict[str, int]
     return spec, nst, sampled, index
 
 
-@given(step=_runner_steps(), drop=st.booleans(), gids_given=st.booleans())
+@given(step=_runner_steps(), drop=st.booleans(), gids_given=st.booleans(), listened=st.booleans())
 def test_a_verify_all_count_is_the_sum_over_requests(
-    step: tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]], drop: bool, gids_given: bool
+    step: tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]],
+    drop: bool,
+    gids_given: bool,
+    listened: bool,
 ) -> None:
     """``finish_all``'s count equals the per-request sums, on vLLM's usual step and on one the runner's rows miss.
 
@@ -386,20 +401,31 @@ def test_a_verify_all_count_is_the_sum_over_requests(
     takes C-level passes over the lists; when a scheduled request is missing
     from the runner's index it reads each request. Both give, per request,
     ``len(drafts)`` scheduled and verified, ``len(sampled)`` emitted and
-    ``max(0, min(emitted - 1, drafts))`` accepted.
+    ``max(0, min(emitted - 1, drafts))`` accepted. The grammar requests,
+    when not given, are read off the scheduler's map as vLLM reads them
+    (a prefill chunk has no rows): all of them for the listeners' record,
+    only those with drafts without listeners; the step counts as structured
+    alike.
     """
     spec, nst, sampled, index = step
     if drop and index:
         del index[next(iter(index))]  # a request the runner no longer holds: it emitted nothing
-    gids = list(nst)[::2]
+    chunks = set(list(nst)[2::3])  # grammar requests in a prefill chunk (drafts or not: the map decides)
+    gids = [r for r in list(nst)[::2] if r not in chunks]
     so = SimpleNamespace(
         num_scheduled_tokens=nst,
         scheduled_spec_decode_tokens=spec,
         finished_req_ids=set(),
         has_structured_output_requests=bool(gids),
     )
-    requests = {r: SimpleNamespace(use_structured_output=r in gids, is_prefill_chunk=False) for r in nst}
+    requests = {
+        r: SimpleNamespace(use_structured_output=r in gids or r in chunks, is_prefill_chunk=r in chunks) for r in nst
+    }
     ctl = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+    records: list[tuple[Any, ...]] = []
+    if listened:
+        ctl.hooks = [None]  # pluggy's list of listeners, as the controller holds it: someone listens
+        ctl._tally = _recording(ctl._tally, records)  # type: ignore[method-assign]
     ctl.finish_all(
         requests, so, SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index), gids if gids_given else None
     )
@@ -415,3 +441,13 @@ def test_a_verify_all_count_is_the_sum_over_requests(
     assert {k: ctl.stats[k] for k in want} == want
     assert ctl.stats["regimes"] == {"full": want["structured_steps"], "partial": 0, "zero": 0}
     assert ctl.counts[-1] == want["drafts_verified"]  # the step's budget, for the metrics file
+    if listened:
+        assert [r[7] for r in records] == [len(gids)]  # the record's number of grammar requests
+
+
+def _recording(tally: Callable[..., None], records: list[tuple[Any, ...]]) -> Callable[..., None]:
+    def record(*args: Any) -> None:
+        records.append(args)
+        tally(*args)
+
+    return record

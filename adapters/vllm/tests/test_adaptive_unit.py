@@ -416,6 +416,7 @@ def test_install_and_switch_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
 
     originals = (Scheduler.schedule, GPUModelRunner.execute_model, GPUModelRunner.sample_tokens)
     own_drafts = Scheduler.update_draft_token_ids
+    own_rows = Scheduler.get_grammar_bitmask
     monkeypatch.setenv("MASKPLUG_VLLM", "1")
     monkeypatch.setenv("MASKPLUG_VLLM_SCHEDULER", "grammar-aware:goodput")
     try:
@@ -423,27 +424,33 @@ def test_install_and_switch_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
         assert maskplug_vllm.adaptive_installed()
         assert isinstance(maskplug_vllm.current_scheduler(), GrammarAwareScheduler)
         assert Scheduler.schedule is not originals[0] and GPUModelRunner.execute_model is not originals[1]
-        planning = (Scheduler.schedule, Scheduler.update_draft_token_ids)
-        assert planning[1] is not own_drafts
+        planning = (Scheduler.schedule, Scheduler.update_draft_token_ids, Scheduler.get_grammar_bitmask)
+        assert planning[1] is not own_drafts and planning[2] is not own_rows
         maskplug_vllm.set_scheduler("verify-all")
         assert maskplug_vllm.step_stats()["scheduler"] == "verify-all"
-        # verify-all plans nothing and takes no confidences: vLLM's own methods run its steps.
-        assert (Scheduler.schedule, Scheduler.update_draft_token_ids) == (originals[0], own_drafts)
+        # verify-all plans nothing, makes no rows ahead and takes no confidences: vLLM's own methods run its steps.
+        assert (Scheduler.schedule, Scheduler.update_draft_token_ids, Scheduler.get_grammar_bitmask) == (
+            originals[0],
+            own_drafts,
+            own_rows,
+        )
         assert Scheduler.update_from_output is not patches.original(Scheduler, "update_from_output")  # it counts
         obj = FixedBudget(1)
         maskplug_vllm.set_scheduler(obj)
         assert maskplug_vllm.current_scheduler() is obj
-        assert (Scheduler.schedule, Scheduler.update_draft_token_ids) == planning
+        assert (Scheduler.schedule, Scheduler.update_draft_token_ids, Scheduler.get_grammar_bitmask) == planning
         # Something else wrapped schedule since (a profiler): it stays, whatever the scheduler.
         foreign = lambda self, *a, **k: planning[0](self, *a, **k)  # noqa: E731
         Scheduler.schedule = foreign  # type: ignore[method-assign]  # uninstall puts vLLM's own back
         maskplug_vllm.set_scheduler("verify-all")
         assert Scheduler.schedule is foreign and Scheduler.update_draft_token_ids is own_drafts
+        assert Scheduler.get_grammar_bitmask is own_rows
         with pytest.raises(PluginError):
             maskplug_vllm.set_scheduler("nope")
     finally:
         maskplug_vllm.uninstall()
     assert (Scheduler.schedule, GPUModelRunner.execute_model, GPUModelRunner.sample_tokens) == originals
+    assert (Scheduler.update_draft_token_ids, Scheduler.get_grammar_bitmask) == (own_drafts, own_rows)
     assert not maskplug_vllm.adaptive_installed() and maskplug_vllm.step_stats()["scheduler"] is None
 
 
