@@ -65,7 +65,10 @@ uninstalled and installed between runs (``_Switch``), so two modes differ
 only in the code their steps run. With more than one profiled
 round, ``host`` is also given as the median of each round's difference to
 ``vllm`` (profiled rounds restart engines too; ``--rounds 0`` runs only
-profiled rounds and takes the rates from them). ``--json`` writes every figure.
+profiled rounds and takes the rates from them). ``--log-stats`` has vLLM
+keep its statistics every step, as its OpenAI server does (the ``LLM``
+class, and so this benchmark by default, keeps none; maskplug's
+``verify-all`` counts its steps either way). ``--json`` writes every figure.
 """
 
 from __future__ import annotations
@@ -267,7 +270,11 @@ def serve(cfg: dict[str, Any]) -> None:
     """
     from vllm import LLM
 
-    llm = LLM(**tiny.engine_kwargs(cfg["model"], cfg["speculative"], max(cfg["concurrency"])))
+    kwargs = tiny.engine_kwargs(cfg["model"], cfg["speculative"], max(cfg["concurrency"]))
+    if cfg.get("log_stats"):
+        # The OpenAI server's default: the scheduler builds its statistics (spec decoding's included) every step.
+        kwargs["disable_log_stats"] = False
+    llm = LLM(**kwargs)
     engine = llm.llm_engine
     make = getattr(tiny, cfg.get("workload", "structured_workload"))
     timers = _install_timers()
@@ -387,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="each timed run follows an untimed run of the same requests in the same mode",
     )
+    p.add_argument(
+        "--log-stats",
+        action="store_true",
+        help="vLLM keeps its statistics every step, as its OpenAI server does (default: off, as the LLM class)",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -410,7 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         if args.switch:
             cfg["switch"] = modes
-        print(f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}")
+        cfg["log_stats"] = args.log_stats
+        print(
+            f"model: Llama, hidden 128, 2 layers, vocab 640, dummy fp32 weights; n-gram K={args.k}; "
+            f"vLLM's statistics {'on' if args.log_stats else 'off'}"
+        )
         print(f"load average at the start: {', '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
         t0 = time.perf_counter()
 
@@ -580,7 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nload average (1 min) around the runs: {min(loads):.1f} to {max(loads):.1f}")
     print("identical tokens in every round: " + ("yes" if not mismatches else "NO: " + "; ".join(mismatches)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary, "mismatches": mismatches}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"rows": rows, "summary": summary, "mismatches": mismatches, "log_stats": args.log_stats}, indent=1
+            )
+        )
     return 1 if mismatches else 0
 
 
