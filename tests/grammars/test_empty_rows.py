@@ -226,3 +226,30 @@ def test_serial_walk_fails_exactly_the_requests_with_an_empty_row(kinds: list[li
         results.append(dm)
     assert results[0].acceptable.tolist() == results[1].acceptable.tolist()
     assert not results[0].forced.any()
+
+
+@pytest.mark.parametrize("find_forced", [False, True])
+@pytest.mark.parametrize("pad_bits", [False, True])
+@pytest.mark.parametrize("dead_after", [0, 1, 3, 4])
+def test_one_request_filling_every_row_is_checked_below_its_vocabulary_size(
+    dead_after: int, pad_bits: bool, find_forced: bool
+) -> None:
+    """One request whose rows are the whole step (one request in flight): its own short path.
+
+    A row whose only bits are past ``vocab_size`` (the last word's padding)
+    allows nothing: the request fails as the general assembly fails it; a
+    step whose every row allows a token is served by the walk's own check.
+    """
+    nd = 3
+    bm = VOCAB.new_bitmask(nd + 1)
+    m = DeadAfter(dead_after, pad_bits=pad_bits)
+    if dead_after > nd:
+        with mock.patch.object(serial, "_general", side_effect=AssertionError("general assembly")):
+            dm = fill_windows_serially([m], [[5] * nd], [0], bm, nd + 1, find_forced=find_forced)
+        assert not dm.failed and dm.acceptable.tolist() == [nd]
+        assert bool((bm == -1).all())
+    else:
+        dm = fill_windows_serially([m], [[5] * nd], [0], bm, nd + 1, find_forced=find_forced)
+        assert set(dm.failed) == {0} and dm.acceptable.tolist() == [0]
+        assert bool((bm == stop_row(VOCAB)).all())
+    assert m.n == 0  # the walk's tokens rolled back
