@@ -676,27 +676,27 @@ class _Controller:
         if gids is not None:
             num_grammar = len(gids)
             structured = bool(total) and any(map(drafts_of, gids))
-        elif not getattr(so, "has_structured_output_requests", True):
-            pass
-        elif self.hooks:
-            # The listeners' record counts the requests vLLM's get_grammar_bitmask produces rows for.
-            for r in nst:
-                req = requests.get(r)
-                if req is not None and req.use_structured_output and not req.is_prefill_chunk:
-                    num_grammar += 1
-                    if total and drafts_of(r):
+        elif getattr(so, "has_structured_output_requests", True):
+            # The requests vLLM's get_grammar_bitmask produces rows for: every one for the listeners'
+            # record (its number), else only whether one with drafts is among them (a loop over the
+            # requests with drafts that stops at the first).
+            if self.hooks:
+                for r in nst:
+                    req = requests.get(r)
+                    if req is not None and req.use_structured_output and not req.is_prefill_chunk:
+                        num_grammar += 1
+                        if total and drafts_of(r):
+                            structured = True
+            elif total:
+                for r, d in spec.items():
+                    if (
+                        d
+                        and (req := requests.get(r)) is not None
+                        and req.use_structured_output
+                        and not req.is_prefill_chunk
+                    ):
                         structured = True
-        elif total:
-            # Only whether one of them had drafts: the requests with drafts are enough to look at.
-            for r, d in spec.items():
-                if (
-                    d
-                    and (req := requests.get(r)) is not None
-                    and req.use_structured_output
-                    and not req.is_prefill_chunk
-                ):
-                    structured = True
-                    break
+                        break
         finished = so.finished_req_ids
         if finished:
             self.confidences.forget(list(finished))
@@ -848,7 +848,8 @@ _controller: _Controller | None = None
 _install_lock = threading.Lock()
 #: The engine core's wrappers that only a planning scheduler uses, ``(owner, attribute) -> wrapper``:
 #: under ``verify-all`` they would only return what vLLM's own method returns (it plans nothing, has
-#: no rows made ahead to hand back and takes no confidences), so vLLM's own method is in place instead (:func:`_planning_wrappers`).
+#: no rows made ahead to hand back and takes no confidences), so vLLM's own method is in place
+#: instead (:func:`_planning_wrappers`).
 _PLANNING_ONLY: dict[tuple[Any, str], Any] = {}
 
 
