@@ -162,3 +162,70 @@ def test_a_grammar_compiled_again_is_the_in_process_grammar(capfd: pytest.Captur
     w = worker.compile(GrammarSpec("json_schema", _WARNS))
     assert worker._compiled_again == 1 and any("minLength" in x for x in w.warnings)
     worker.worker.close()
+
+
+def test_matchers_call_xgrammars_object_directly_and_walk_as_the_public_methods() -> None:
+    import maskplug_xgrammar.provider as xp
+
+    v = vocab("spm")
+    c = _registered(v).compile(
+        GrammarSpec("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    )
+    m = c.matcher()
+    assert xp._DIRECT is True  # this xgrammar takes the calls as its Python methods pass them
+    # Bound to closures over the C++ object, not to xgrammar's Python methods.
+    assert getattr(m._fill, "__self__", None) is None and getattr(m._rollback, "__self__", None) is m.raw._handle
+    raw = xgr.GrammarMatcher(c.raw, terminate_without_stop_token=False, max_rollback_tokens=-1)
+    ours, theirs = v.new_bitmask(1), v.new_bitmask(1)
+    for t in _ids(v, '{"a": 12'):
+        m.fill(ours, 0)
+        raw.fill_next_token_bitmask(theirs, 0)
+        assert torch.equal(ours, theirs)
+        assert m.accept(t) and raw.accept_token(t)
+    assert not m.accept(_ids(v, "x")[0]) and not raw.accept_token(_ids(v, "x")[0])
+    m.rollback(3)
+    raw.rollback(3)
+    m.fill(ours, 0)
+    raw.fill_next_token_bitmask(theirs, 0)
+    assert torch.equal(ours, theirs)
+
+
+def test_an_xgrammar_object_that_answers_otherwise_keeps_the_public_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    import maskplug_xgrammar.provider as xp
+
+    class _Handle:
+        """Takes the calls with the arguments maskplug passes, but answers otherwise."""
+
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int, debug: bool) -> bool:
+            bitmask[row] = 0
+            return True
+
+        def accept_token(self, token: int, debug: bool) -> bool:
+            return True
+
+        def rollback(self, n: int) -> None:
+            pass
+
+    class _Raw:
+        def __init__(self, real: object) -> None:
+            self.real = real
+            self._handle = _Handle()
+
+        def fork(self) -> _Raw:
+            return _Raw(self.real.fork())  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.real, name)
+
+    v = vocab("spm")
+    c = _registered(v).compile(GrammarSpec("regex", "ab"))
+    real = xgr.GrammarMatcher(c.raw, terminate_without_stop_token=False, max_rollback_tokens=-1)
+    assert xp._direct_calls_agree(real, v.mask_words)
+    assert not xp._direct_calls_agree(_Raw(real), v.mask_words)
+    monkeypatch.setattr(xp, "_DIRECT", None)
+    assert xp._direct_calls(_Raw(real), v.mask_words) is None
+    assert xp._DIRECT is False
+    # With the calls refused, a matcher is bound to xgrammar's public methods.
+    m = c.matcher()
+    assert m._fill == m.raw.fill_next_token_bitmask and m._accept == m.raw.accept_token
+    assert all(m.accept(t) for t in _ids(v, "ab"))

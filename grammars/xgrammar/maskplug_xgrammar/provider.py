@@ -312,8 +312,12 @@ class XGrammarMatcher(MatcherBase):
             # xgrammar's own accept, fill and rollback take and return what maskplug's do (a bool
             # for accept, "need apply" for fill): bound here, every accept of an emitted token or a
             # draft, every mask row and every walk's rollback (an engine's per-step work) runs one
-            # Python frame less.
-            for name, call in zip(fast, (raw.accept_token, raw.fill_next_token_bitmask, raw.rollback), strict=True):
+            # Python frame less; two less where the C++ object under xgrammar's class takes the
+            # calls as its Python methods pass them (_direct_calls).
+            calls = _direct_calls(raw, self.vocab.mask_words)
+            if calls is None:
+                calls = (raw.accept_token, raw.fill_next_token_bitmask, raw.rollback)
+            for name, call in zip(fast, calls, strict=True):
                 setattr(self, name, call)
         else:
             # Anything else (a subclass, a stand-in) is called through the methods below, which
@@ -339,6 +343,67 @@ class XGrammarMatcher(MatcherBase):
 
     def _fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self.provider, self.raw.fork())
+
+
+#: Whether xgrammar's matcher objects take accept, fill and rollback straight from maskplug (found once
+#: per process by :func:`_direct_calls`; None: not yet looked at).
+_DIRECT: bool | None = None
+
+
+def _direct_calls(raw: Any, words: int) -> tuple[Callable[..., Any], ...] | None:
+    """``raw``'s accept, fill and rollback on the C++ object its Python methods call, or None.
+
+    xgrammar's ``GrammarMatcher.accept_token``, ``fill_next_token_bitmask``
+    and ``rollback`` each read the object behind a property and pass it the
+    same arguments with ``debug_print=False``; calling that object (as
+    ``_handle``) saves two Python frames per call, on every row, draft and
+    emitted token of every step. Tried once per process on a fork of the
+    first matcher (its answers compared with the public methods' on another
+    fork): an xgrammar that has moved on keeps the public methods.
+    """
+    global _DIRECT
+    handle = getattr(raw, "_handle", None)
+    if _DIRECT is None:
+        _DIRECT = _direct_calls_agree(raw, words)
+    if not _DIRECT or handle is None:
+        return None
+    fill_h, accept_h = handle.fill_next_token_bitmask, handle.accept_token
+
+    def accept(token: int) -> bool:
+        return accept_h(token, False)  # type: ignore[no-any-return]
+
+    def fill(bitmask: torch.Tensor, row: int) -> bool:
+        return fill_h(bitmask, row, False)  # type: ignore[no-any-return]
+
+    return accept, fill, handle.rollback
+
+
+def _direct_calls_agree(raw: Any, words: int) -> bool:
+    """Whether ``raw._handle`` takes :func:`_direct_calls`' calls and answers as the public methods do."""
+    try:
+        public, direct = raw.fork(), raw.fork()
+        h = direct._handle
+        a, b = torch.zeros((1, words), dtype=torch.int32), torch.zeros((1, words), dtype=torch.int32)
+        if public.fill_next_token_bitmask(a, 0) != h.fill_next_token_bitmask(b, 0, False) or not torch.equal(a, b):
+            return False
+        # The first token the row allows (or token 0): both forks accept it or neither does.
+        allowed = (a[0].numpy().view(np.uint32) != 0).nonzero()[0]
+        word = int(allowed[0]) if allowed.size else 0
+        bits = int(a[0, word].item()) & 0xFFFFFFFF
+        token = 32 * word + ((bits & -bits).bit_length() - 1 if bits else 0)
+        took = public.accept_token(token)
+        if h.accept_token(token, False) is not took:
+            return False
+        if took:
+            public.rollback(1)
+            h.rollback(1)
+        a.zero_()
+        b.zero_()
+        public.fill_next_token_bitmask(a, 0)
+        h.fill_next_token_bitmask(b, 0, False)
+        return bool(torch.equal(a, b))
+    except Exception:  # any failure: the public methods are the way in
+        return False
 
 
 def _raw(m: Matcher) -> Any:
