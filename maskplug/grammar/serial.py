@@ -15,8 +15,9 @@ then completes the step exactly as the general producer does.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +25,7 @@ import torch
 
 from ..draftmasks import DraftMasks, served
 from .assembly import assemble, row_counts
-from .bases import MatcherBase, plain_matcher_type
+from .bases import _PLAIN, MatcherBase, plain_matcher_type
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
@@ -33,6 +34,10 @@ from .walks import Walk, fail_request, rollback_error, walk_calls
 __all__ = ["walk_windows"]
 
 IntArray = npt.NDArray[np.int64]
+
+#: A matcher's vocabulary, and a vocabulary's stop ids (read for every request of a walk).
+_VOCAB = operator.attrgetter("vocab")
+_EOS_IDS = operator.attrgetter("eos_ids")
 
 _ARANGE: dict[int, IntArray] = {}
 
@@ -166,12 +171,14 @@ def walk_windows(
     allowed token each).
     """
     g_count = len(matchers)
-    vocabs = [cast(Any, m).vocab for m in matchers]
+    # C-level maps, not comprehensions: each comprehension is a Python frame (3.11), and between an
+    # engine's forward passes every frame costs.
+    vocabs: list[Any] = list(map(_VOCAB, matchers))
     # Membership in a vocabulary's own stop tuple (one or two ids): the same answer as a set, without making one.
-    eos: Sequence[Any] = [v.eos_ids for v in vocabs]
+    eos: Sequence[Any] = list(map(_EOS_IDS, vocabs))
     # Per request: the last row position its walk filled (-1: none) and the drafts the grammar accepts.
     last = [-1] * g_count
-    acceptable = [len(w) for w in windows]
+    acceptable = list(map(len, windows))
     walk: Walk | None = None  # the general bookkeeping, once a request fails
     g, took = 0, 0
     try:
@@ -180,7 +187,11 @@ def walk_windows(
             d, e, r0 = windows[g], eos[g], row0[g]
             nd = len(d)
             took, p, filling, hi = 0, 0, True, -1
-            base = cast(MatcherBase, m) if plain_matcher_type(type(m)) else None
+            # plain_matcher_type's answer from its cache when it has one (one call less per request).
+            plain = _PLAIN.get(m.__class__)
+            if plain is None:
+                plain = plain_matcher_type(m.__class__)
+            base: MatcherBase | None = m if plain else None  # type: ignore[assignment]
             try:
                 if base is not None and not base._terminated:
                     # A MatcherBase that keeps the public methods and has not stopped: the engine's
