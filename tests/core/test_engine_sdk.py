@@ -619,6 +619,11 @@ def test_validate_leaves_the_state_as_it_was_when_the_engine_raises() -> None:
         with pytest.raises(RuntimeError, match="engine fault"):
             m.validate([4, 5, 9, 7])
         assert m.taken == [3] and not m.is_terminated()
+        # The engine's per-step draft check too (the plain class's own loop, the other's validate).
+        for drafts in ([4, 5, 9, 7], (9,), [4, 9, 1]):
+            with pytest.raises(RuntimeError, match="engine fault"):
+                draft_validator(m)(drafts)
+            assert m.taken == [3] and not m.is_terminated()
 
 
 # -- accept_emitted against accept(), under hypothesis ----------------------------------------------
@@ -660,6 +665,9 @@ class _ValidatesAfterItsEnd(_Lenient):
     cls=st.sampled_from([_Lenient, _LenientChecked, _ValidatesAfterItsEnd]),
 )
 @example(tokens=[3, 4], held=[], every=1, stopped=True, cls=_ValidatesAfterItsEnd)
+@example(tokens=[3, 6, 40], held=[], every=1, stopped=False, cls=_Lenient)  # a refusal, then a bad id: raises
+@example(tokens=[6, -1], held=[], every=1, stopped=False, cls=_Lenient)
+@example(tokens=[3, 4, 20], held=[], every=1, stopped=False, cls=_Lenient)  # an id past the tokens: the general run
 @example(tokens=[3, 40], held=[], every=1, stopped=True, cls=_Lenient)
 def test_draft_validator_is_validate_and_nothing_once_ended(
     tokens: Any, held: list[int], every: int, stopped: bool, cls: type[_Lenient]
