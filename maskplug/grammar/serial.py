@@ -300,7 +300,13 @@ def _gaps(order: Sequence[int], row0: Sequence[int], last: list[int], total: int
 
 
 def _complete_unforced(
-    bm: npt.NDArray[Any], total: int, gaps: list[tuple[int, int]], acceptable: list[int], size: int, width: int
+    bm: npt.NDArray[Any],
+    total: int,
+    gaps: list[tuple[int, int]],
+    acceptable: list[int],
+    size: int,
+    width: int,
+    words: int,
 ) -> DraftMasks | None:
     """:func:`_complete` without ``forced``: whether every row of the step allows a token.
 
@@ -317,8 +323,7 @@ def _complete_unforced(
     for a, b in gaps:
         bm[a:b] = -1
     rows = bm[:total]
-    words = bm.shape[1]
-    wb = 4 * words
+    wb = 4 * words  # words: bm.shape[1], read once by the caller
     if size == 32 * words and total * wb <= _BYTES_SCAN:
         buf = rows.tobytes()
         zero = bytes(wb)
@@ -369,7 +374,7 @@ def _complete(
     if not find_forced and g_count == 1 and row0[0] == 0 and last[0] + 1 == total:
         # One request that filled every row of the step (one request in flight, a verify-all step):
         # one vocabulary, no order to find, no row left to open.
-        return _complete_unforced(bm, total, [], acceptable, min(size, vocabs[0].vocab_size), width)
+        return _complete_unforced(bm, total, [], acceptable, min(size, vocabs[0].vocab_size), width, words)
     if g_count:
         v0 = vocabs[0]
         vs = v0.vocab_size
@@ -383,7 +388,7 @@ def _complete(
     in_order = g_count < 2 or all(row0[g] < row0[g + 1] for g in range(g_count - 1))
     order = range(g_count) if in_order else sorted(range(g_count), key=row0.__getitem__)
     if not find_forced:
-        return _complete_unforced(bm, total, _gaps(order, row0, last, total), acceptable, size, width)
+        return _complete_unforced(bm, total, _gaps(order, row0, last, total), acceptable, size, width, words)
     # A few narrow rows: each filled row read as one Python int (little-endian words: bit t is token t);
     # more: numpy counts every row's allowed tokens at once.
     small = total * wb <= _PY_COUNT_BYTES

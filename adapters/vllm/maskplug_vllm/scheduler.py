@@ -137,7 +137,7 @@ def _fill_few(
     # (with ``requests`` also each request's grammar bound and its matcher taken: at one request in
     # flight each pass over the requests between forward passes costs microseconds).
     v0 = None
-    words = size = 0
+    size = 0
     windows: list[Sequence[int]] = []
     row0: list[int] = []
     total = 0
@@ -166,9 +166,9 @@ def _fill_few(
             return None
         if v0 is None:
             v0 = v
-            words, size = v.mask_words, v.vocab_size
-        elif v is not v0 and (v.mask_words != words or v.vocab_size != size):
-            return None
+            size = v.vocab_size
+        elif v is not v0 and v.vocab_size != size:
+            return None  # (the same size is the same row width)
         d = get(grammar_req_ids[g], ())
         n = len(d)
         k = n
