@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from grammar_testkit import allowed_ids, vocab
@@ -190,40 +192,68 @@ def test_matchers_call_xgrammars_object_directly_and_walk_as_the_public_methods(
     assert torch.equal(ours, theirs)
 
 
-def test_an_xgrammar_object_that_answers_otherwise_keeps_the_public_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_xgrammar_that_has_moved_on_keeps_the_public_methods(monkeypatch: pytest.MonkeyPatch) -> None:
     import maskplug_xgrammar.provider as xp
 
-    class _Handle:
-        """Takes the calls with the arguments maskplug passes, but answers otherwise."""
+    class _TwoArgs:
+        """A C++ object whose calls take no ``debug_print``."""
 
-        def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int, debug: bool) -> bool:
-            bitmask[row] = 0
-            return True
+        def __init__(self, real: Any) -> None:
+            self.real = real
 
-        def accept_token(self, token: int, debug: bool) -> bool:
-            return True
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+            return bool(self.real.fill_next_token_bitmask(bitmask, row, False))
+
+        def accept_token(self, token: int) -> bool:
+            return bool(self.real.accept_token(token, False))
 
         def rollback(self, n: int) -> None:
-            pass
+            self.real.rollback(n)
 
-    class _Raw:
-        def __init__(self, real: object) -> None:
+    class _Thin:
+        """Python methods that only forward to ``_handle``, as xgrammar's do (this one's takes two arguments)."""
+
+        def __init__(self, real: Any) -> None:
             self.real = real
-            self._handle = _Handle()
+            self._handle: Any = _TwoArgs(real._handle)
 
-        def fork(self) -> _Raw:
-            return _Raw(self.real.fork())  # type: ignore[attr-defined]
+        def fork(self) -> Any:
+            return type(self)(self.real.fork())
 
-        def __getattr__(self, name: str) -> object:
-            return getattr(self.real, name)
+        def accept_token(self, token_id: int) -> bool:
+            return self._handle.accept_token(token_id)
+
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
+            return self._handle.fill_next_token_bitmask(bitmask, index)
+
+        def rollback(self, num_tokens: int = 1) -> None:
+            self._handle.rollback(num_tokens)
+
+    class _Converts(_Thin):
+        """Python methods that do more than forward (here: a contiguous copy of the bitmask first)."""
+
+        def __init__(self, real: Any) -> None:
+            self.real = real
+            self._handle = real._handle
+
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
+            return bool(self._handle.fill_next_token_bitmask(bitmask.contiguous(), index, False))
+
+        def accept_token(self, token_id: int) -> bool:
+            return bool(self._handle.accept_token(token_id, False))
 
     v = vocab("spm")
     c = _registered(v).compile(GrammarSpec("regex", "ab"))
     real = xgr.GrammarMatcher(c.raw, terminate_without_stop_token=False, max_rollback_tokens=-1)
     assert xp._direct_calls_agree(real, v.mask_words)
-    assert not xp._direct_calls_agree(_Raw(real), v.mask_words)
+    # The probe refuses calls the object does not take; the code check refuses methods that do more
+    # (whose calls would otherwise pass the probe).
+    assert not xp._direct_calls_agree(_Thin(real), v.mask_words)
+    assert not xp._direct_calls_agree(_Converts(real), v.mask_words)
+    h = real._handle
+    assert h.fill_next_token_bitmask(v.new_bitmask(1), 0, False) in (True, False)
     monkeypatch.setattr(xp, "_DIRECT", None)
-    assert xp._direct_calls(_Raw(real), v.mask_words) is None
+    assert xp._direct_calls(_Converts(real), v.mask_words) is None
     assert xp._DIRECT is False
     # With the calls refused, a matcher is bound to xgrammar's public methods.
     m = c.matcher()

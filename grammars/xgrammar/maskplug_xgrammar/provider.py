@@ -15,6 +15,10 @@ How xgrammar's behaviour is normalised to maskplug's matcher contract:
   words wide (xgrammar ignores strides and trusts the width);
 * ids outside ``[0, vocab_size)`` raise :class:`maskplug.GrammarError` before
   xgrammar sees them;
+* a matcher's accept, fill and rollback call the C++ object behind xgrammar's
+  ``GrammarMatcher`` directly, as its Python methods do (checked once per
+  process, :func:`_direct_calls`): two Python frames less on every row, draft
+  and emitted token;
 * many rows are filled on xgrammar's C++ thread pool (``BatchGrammarMatcher``);
 * a request's whole draft chain is filled by one ``traverse_draft_tree`` call
   (accept, fill and roll back in C++, without the GIL), requests spread over
@@ -379,7 +383,17 @@ def _direct_calls(raw: Any, words: int) -> tuple[Callable[..., Any], ...] | None
 
 
 def _direct_calls_agree(raw: Any, words: int) -> bool:
-    """Whether ``raw._handle`` takes :func:`_direct_calls`' calls and answers as the public methods do."""
+    """Whether ``raw._handle`` takes :func:`_direct_calls`' calls and answers as the public methods do.
+
+    The public methods must also be what :func:`_direct_calls` assumes, each
+    a call of the object's method of the same name and nothing else (the
+    names their code reads): a later xgrammar that converts or checks
+    arguments there keeps its methods even if the probe below would pass.
+    """
+    for name in ("accept_token", "fill_next_token_bitmask", "rollback"):
+        code = getattr(getattr(type(raw), name, None), "__code__", None)
+        if code is None or set(code.co_names) != {"_handle", name}:
+            return False
     try:
         public, direct = raw.fork(), raw.fork()
         h = direct._handle
