@@ -25,7 +25,7 @@ import torch
 
 from ..draftmasks import DraftMasks, served
 from .assembly import assemble, row_counts
-from .bases import _PLAIN, MatcherBase, plain_matcher_type
+from .bases import MatcherBase, plain_matcher_type
 from .fillargs import eos_sets
 from .protocols import Matcher
 from .recovery import restore_after_interrupt
@@ -187,11 +187,7 @@ def walk_windows(
             d, e, r0 = windows[g], eos[g], row0[g]
             nd = len(d)
             took, p, filling, hi = 0, 0, True, -1
-            # plain_matcher_type's answer from its cache when it has one (one call less per request).
-            plain = _PLAIN.get(m.__class__)
-            if plain is None:
-                plain = plain_matcher_type(m.__class__)
-            base: MatcherBase | None = m if plain else None  # type: ignore[assignment]
+            base: MatcherBase | None = m if plain_matcher_type(m.__class__) else None  # type: ignore[assignment]
             try:
                 if base is not None and not base._terminated:
                     # A MatcherBase that keeps the public methods and has not stopped: the engine's

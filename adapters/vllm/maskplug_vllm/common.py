@@ -66,11 +66,11 @@ CompactedRows = Callable[[Any, Any, list[str], np.ndarray], StepRows]
 ApplyCompacted = Callable[[Any, torch.Tensor, Any, list[str], np.ndarray], None]
 
 #: The manager's mask-row buffer once checked: the tensor, its version counter when checked, its rows,
-#: its words per row, its numpy view and the vocabulary it was last found to suit.
-_buffer: tuple[torch.Tensor, int, int, int, np.ndarray, Any] | None = None
+#: its words per row and its numpy view.
+_buffer: tuple[torch.Tensor, int, int, int, np.ndarray] | None = None
 
 
-def _known(bitmask: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int, np.ndarray, Any] | None:
+def _known(bitmask: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int, np.ndarray] | None:
     """The checked record of ``bitmask`` when it is that buffer, unchanged in place since."""
     b = _buffer
     if b is not None and b[0] is bitmask and bitmask._version == b[1]:
@@ -94,9 +94,8 @@ def checked_buffer(bitmask: torch.Tensor, vocab: Any) -> tuple[int, np.ndarray] 
     """
     global _buffer
     b = _buffer
-    # _known's test, written out: this runs every step (the same vocabulary as last time needs no
-    # look at its width).
-    if b is not None and b[0] is bitmask and bitmask._version == b[1] and (b[5] is vocab or b[3] == vocab.mask_words):
+    # _known's test, written out: this runs every step.
+    if b is not None and b[0] is bitmask and bitmask._version == b[1] and b[3] == vocab.mask_words:
         return b[2], b[4]
     try:
         check_bitmask(bitmask, 0, vocab)
@@ -104,7 +103,7 @@ def checked_buffer(bitmask: torch.Tensor, vocab: Any) -> tuple[int, np.ndarray] 
         _buffer = None
         return None
     view = bitmask.numpy()
-    _buffer = (bitmask, bitmask._version, int(bitmask.shape[0]), int(vocab.mask_words), view, vocab)
+    _buffer = (bitmask, bitmask._version, int(bitmask.shape[0]), int(vocab.mask_words), view)
     return _buffer[2], view
 
 
