@@ -425,18 +425,10 @@ class _Controller:
         self.counts: list[int] = [0] * len(metrics.FIELDS)
         #: ``counts[_STEPS]`` when the counters were last written to the metrics file (:meth:`publish`).
         self.published = 0
-        #: ``verify-all`` steps not counted yet, in order: each step's scheduler output, the runner's
-        #: ``req_id_to_index``, its sampled lists' lengths (read before vLLM trims a stopping request's
-        #: list) and whether a grammar request had drafts (read before vLLM frees finished requests).
-        #: :meth:`fold` counts them every :data:`FOLD_EVERY` steps and whenever the counters are read
-        #: or published.
-        self.later: list[tuple[Any, Mapping[str, int], list[int], bool]] = []
         self.confidences = DraftConfidences()
         self.metrics: StepMetrics | None = None
         self.offsets: dict[str, int] = {}
-        #: Held by readers of the counters on other threads and by :meth:`fold` (re-entrant:
-        #: :func:`step_stats` holds it while it publishes).
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         hooks = get_registry().step_end_hooks()
         #: pluggy's live list of ``maskplug_step_end`` hooks (truthy while anyone listens), or where
         #: pluggy keeps no such list a stand-in that asks the registry each time.
@@ -445,13 +437,12 @@ class _Controller:
     @property
     def stats(self) -> dict[str, Any]:
         """The counters as :func:`step_stats` gives them (a new dict, without ``scheduler``)."""
-        self.fold()
         return _stats_of(list(self.counts))
 
     @property
     def unpublished(self) -> int:
-        """Steps run since the metrics file was last written (counted or waiting in :attr:`later`)."""
-        return self.counts[_STEPS] + len(self.later) - self.published
+        """Steps counted since the metrics file was last written."""
+        return self.counts[_STEPS] - self.published
 
     @property
     def scheduler(self) -> Scheduler:
@@ -580,7 +571,7 @@ class _Controller:
         """
         if finished:
             self.forget(finished)
-        if self.later or self.counts[_STEPS] != self.published:
+        if self.counts[_STEPS] != self.published:
             self.publish()
 
     # Step 3, in the engine core: the sampled tokens came back from the workers.
@@ -648,62 +639,18 @@ class _Controller:
         scheduler's own map, as vLLM finds them (only those with drafts
         unless ``maskplug_step_end`` listeners want their number).
         """
-        sampled = getattr(output, "sampled_token_ids", None) or []
-        index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
-        num_grammar = 0
-        if gids is not None:
-            num_grammar = len(gids)
-            structured = any(map(so.scheduled_spec_decode_tokens.get, gids))
-        elif self.hooks and getattr(so, "has_structured_output_requests", True):
-            # Every grammar request, for the listeners' record (its number).
-            structured = False
-            drafts_of = so.scheduled_spec_decode_tokens.get
-            for r in so.num_scheduled_tokens:
-                req = requests.get(r)
-                if req is not None and req.use_structured_output and not req.is_prefill_chunk:
-                    num_grammar += 1
-                    if drafts_of(r):
-                        structured = True
-        else:
-            structured = _grammar_drafts(requests, so)
-        self._count_all(so, index, list(map(len, sampled)), structured, num_grammar)
-
-    def fold(self) -> None:
-        """Count the steps waiting in :attr:`later` (the engine core's ``verify-all`` steps without listeners).
-
-        Each counted as :meth:`finish_all` counts a step, from what the engine
-        core kept of it. Counted one by one between vLLM's forward passes, a
-        step cost about 10 µs at one request; kept and counted here, about 3
-        and 4.5 (``benchmarks/RESULTS.md``).
-        """
-        later = self.later
-        if not later:
-            return
-        with self.lock:
-            # Taken off first: a count that publishes (FOLD_EVERY steps) folds again, and finds none.
-            k = len(later)
-            steps = later[:k]
-            del later[:k]
-            for so, index, lens, structured in steps:
-                self._count_all(so, index, lens, structured, 0)
-
-    def _count_all(
-        self, so: Any, index: Mapping[str, int], lens: list[int], structured: bool, num_grammar: int
-    ) -> None:
-        """Count a step every draft of which was verified: ``lens`` are its sampled lists' lengths, in ``index``'s rows.
-
-        ``structured``: whether a grammar request (one vLLM produces rows for)
-        had drafts; ``num_grammar``: how many grammar requests the step had
-        (for the listeners' record; 0 when nobody listens).
-        """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
+        sampled = getattr(output, "sampled_token_ids", None) or []
+        index: Mapping[str, int] = getattr(output, "req_id_to_index", None) or {}
+        drafts_of = spec.get
         n = len(nst)
-        if len(lens) == n == len(index) and index.keys() == nst.keys() and spec.keys() <= nst.keys():
+        if len(sampled) == n == len(index) and index.keys() == nst.keys() and spec.keys() <= nst.keys():
             # vLLM's usual step: one sampled list per scheduled request (its runner's batch rows),
             # drafts only for scheduled requests. Counted in C-level passes, no loop per request: a
             # request emits its accepted drafts and one token more (vLLM's rejection sampler, whose
             # acceptance vLLM's own counters read the same way), a prefill chunk nothing.
+            lens = list(map(len, sampled))
             num_emitted = sum(lens)
             num_accepted = num_emitted - n + lens.count(0)
             total = sum(map(len, spec.values()))
@@ -711,8 +658,7 @@ class _Controller:
             # Requests the runner no longer holds, or rows that are not the scheduled requests':
             # each scheduled request read on its own.
             get = index.get
-            drafts_of = spec.get
-            num_sampled = len(lens)
+            num_sampled = len(sampled)
             total = num_emitted = num_accepted = 0
             for r in nst:
                 d = drafts_of(r)
@@ -721,10 +667,36 @@ class _Controller:
                 j = get(r)
                 if j is None or j >= num_sampled:
                     continue
-                e = lens[j]
+                e = len(sampled[j])
                 num_emitted += e
                 if e > 1 and nd:
                     num_accepted += min(e - 1, nd)
+        structured = False
+        num_grammar = 0
+        if gids is not None:
+            num_grammar = len(gids)
+            structured = bool(total) and any(map(drafts_of, gids))
+        elif getattr(so, "has_structured_output_requests", True):
+            # The requests vLLM's get_grammar_bitmask produces rows for: every one for the listeners'
+            # record (its number), else only whether one with drafts is among them (a loop over the
+            # requests with drafts that stops at the first).
+            if self.hooks:
+                for r in nst:
+                    req = requests.get(r)
+                    if req is not None and req.use_structured_output and not req.is_prefill_chunk:
+                        num_grammar += 1
+                        if total and drafts_of(r):
+                            structured = True
+            elif total:
+                for r, d in spec.items():
+                    if (
+                        d
+                        and (req := requests.get(r)) is not None
+                        and req.use_structured_output
+                        and not req.is_prefill_chunk
+                    ):
+                        structured = True
+                        break
         finished = so.finished_req_ids
         if finished:
             self.confidences.forget(list(finished))
@@ -803,11 +775,8 @@ class _Controller:
 
         Called on the engine core's thread: the counters of every step so far
         become readable by other processes (the OpenAI server's Prometheus
-        collector, :func:`step_stats` there). The steps waiting in
-        :attr:`later` are counted first.
+        collector, :func:`step_stats` there).
         """
-        if self.later:
-            self.fold()
         c = self.counts
         if self.metrics is not None:
             self.metrics.write(c)
@@ -915,21 +884,6 @@ _MAX_PENDING = 16
 FOLD_EVERY = 16
 
 
-def _grammar_drafts(requests: Mapping[str, Any], so: Any) -> bool:
-    """Whether a request with drafts in ``so`` is one vLLM produces mask rows for.
-
-    Those are the structured-output requests not in a prefill chunk (vLLM's
-    ``get_grammar_bitmask`` reads the scheduler's map the same way); the
-    loop stops at the first.
-    """
-    if not getattr(so, "has_structured_output_requests", True):
-        return False
-    for r, d in so.scheduled_spec_decode_tokens.items():
-        if d and (req := requests.get(r)) is not None and req.use_structured_output and not req.is_prefill_chunk:
-            return True
-    return False
-
-
 def _open_metrics(sched: Any, name: str) -> StepMetrics:
     par = getattr(getattr(sched, "vllm_config", None), "parallel_config", None)
     engine = int(getattr(par, "data_parallel_rank", 0) or 0)
@@ -1017,9 +971,7 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
             # in flight). A planning engine handled them in schedule; a verify-all one does here, and
             # only when there is something to do: a finished request to forget or steps to publish
             # (after which nothing is left to publish when a request ends in a step that ran nothing).
-            if ctl.verifies_all and (
-                scheduler_output.finished_req_ids or ctl.later or ctl.counts[_STEPS] != ctl.published
-            ):
+            if ctl.verifies_all and (scheduler_output.finished_req_ids or ctl.counts[_STEPS] != ctl.published):
                 if ctl.metrics is None:
                     ctl.metrics = _open_metrics(self, ctl.name)
                 ctl.idle_step(scheduler_output.finished_req_ids)
@@ -1036,32 +988,7 @@ def _make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
             # map, as vLLM's get_grammar_bitmask reads them (nothing changes them in between: the
             # engine core's loop runs the step's three calls one after the other, asynchronous
             # scheduling being refused).
-            sampled = getattr(model_runner_output, "sampled_token_ids", None)
-            if sampled is None or ctl.hooks:
-                ctl.finish_all(self.requests, scheduler_output, model_runner_output)
-            else:
-                # Without listeners the step is counted later (ctl.fold, every FOLD_EVERY steps and
-                # when a request finished): its count between forward passes cost about 10 µs per
-                # step at one request. Read now only what vLLM's method changes: the sampled lists'
-                # lengths (it trims a stopping request's list) and whether a grammar request had
-                # drafts (it frees finished requests).
-                later = ctl.later
-                later.append(
-                    (
-                        scheduler_output,
-                        model_runner_output.req_id_to_index,
-                        list(map(len, sampled)),
-                        _grammar_drafts(self.requests, scheduler_output),
-                    )
-                )
-                if scheduler_output.finished_req_ids:
-                    ctl.confidences.forget(list(scheduler_output.finished_req_ids))  # (again when counted)
-                out = orig(self, scheduler_output, model_runner_output)
-                if len(later) >= FOLD_EVERY:
-                    ctl.fold()
-                if getattr(self, "finished_req_ids", True):
-                    ctl.publish()  # as below
-                return out
+            ctl.finish_all(self.requests, scheduler_output, model_runner_output)
         out = orig(self, scheduler_output, model_runner_output)
         if ctl.counts[_STEPS] != ctl.published and getattr(self, "finished_req_ids", True):
             # A request ended in this step: its steps are published before its output leaves the
@@ -1332,7 +1259,7 @@ def step_stats() -> dict[str, Any]:
         if ctl.metrics is None:
             if engines := metrics.read_metrics():
                 return _from_files(engines, ctl.offsets, ctl.name)
-        elif ctl.later or ctl.counts[_STEPS] != ctl.published:
+        elif ctl.counts[_STEPS] != ctl.published:
             ctl.publish()  # the engine's own process: its file says what the counters say
         out = ctl.stats
         out["scheduler"] = ctl.name
@@ -1364,7 +1291,6 @@ def reset_step_stats() -> None:
     if ctl is None:
         return
     with ctl.lock:
-        del ctl.later[:]
         ctl.counts[:] = [0] * len(ctl.counts)
         if ctl.metrics is not None:
             ctl.publish()

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import patch
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from maskplug_vllm import adaptive, confidences, metrics
 from vllm.v1.outputs import DraftTokenIds
@@ -452,89 +451,3 @@ def _recording(tally: Callable[..., None], records: list[tuple[Any, ...]]) -> Ca
         tally(*args)
 
     return record
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    steps=st.lists(
-        # (the step, whether a request stops in it (one step in eight), which requests have grammars)
-        st.tuples(_runner_steps(), st.integers(0, 7).map(lambda x: x == 0), st.booleans()),
-        min_size=1,
-        max_size=3 * 16,
-    ),
-    read_at=st.integers(0, 3 * 16),
-)
-def test_verify_all_steps_counted_later_read_as_if_counted_at_once(
-    steps: list[tuple[tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]], bool, bool]],
-    read_at: int,
-) -> None:
-    """``update_from_output`` under ``verify-all`` without listeners counts its steps in batches.
-
-    Each step runs through the wrapper around a stand-in for vLLM's method
-    that does what the count must not see: it trims a stopping request's
-    sampled list in place and frees the request. The counters read (at a
-    drawn step and at the end) what :meth:`finish_all` gives for every step
-    counted at once before vLLM's method ran; at most ``FOLD_EVERY - 1``
-    steps wait; a step in which a request finished leaves nothing waiting
-    and the metrics file complete; finished requests are forgotten at once.
-    """
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ctl = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
-        ctl.metrics = metrics.StepMetrics(Path(tmp), 0, "verify-all")
-        ref = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
-        assert not ctl.hooks and not ref.hooks
-        sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests={})
-        stopping: list[str] = []
-
-        def vllm_update(self: Any, so: Any, out: Any) -> None:
-            # What vLLM's own method does to what the count reads: trims the stopping request's
-            # list in place and frees it; the scheduler's set says it finished.
-            self.finished_req_ids = set(stopping)
-            for r in stopping:
-                del out.sampled_token_ids[out.req_id_to_index[r]][1:]
-                del self.requests[r]
-
-        update = adaptive._make_update_from_output(vllm_update)
-        finished_before: set[str] = set()
-        with patch.object(adaptive, "_controller", ctl):
-            for i, ((spec, nst, sampled, index), stops, grammar_odd) in enumerate(steps):
-                if i == read_at:
-                    assert ctl.stats == ref.stats and not ctl.later
-                # Grammar requests (every other one) and plain ones; one in a prefill chunk when drafted none.
-                sched.requests = {
-                    r: SimpleNamespace(
-                        use_structured_output=(j % 2 == 1) == grammar_odd, is_prefill_chunk=r not in spec and j % 3 == 0
-                    )
-                    for j, r in enumerate(nst)
-                }
-                so = SimpleNamespace(
-                    num_scheduled_tokens=nst,
-                    scheduled_spec_decode_tokens=spec,
-                    total_num_scheduled_tokens=sum(nst.values()) or 1,
-                    finished_req_ids=finished_before,
-                    has_structured_output_requests=True,
-                )
-                out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index)
-                stopping[:] = [r for r, j in index.items() if len(sampled[j]) > 1][:1] if stops else []
-                # Counted at once, before vLLM's method changes anything.
-                ref.finish_all(
-                    dict(sched.requests),
-                    so,
-                    SimpleNamespace(sampled_token_ids=[list(x) for x in sampled], req_id_to_index=index),
-                )
-                gone = sorted(finished_before)
-                if gone:
-                    ctl.confidences.record(gone, [[0.5]] * len(gone))
-                update(sched, so, out)
-                if gone:
-                    live = ctl.confidences.for_step(gone, {r: [1] for r in gone})[1]
-                    assert live is not None and live.tolist() == [[1.0]] * len(gone)  # forgotten: read as new
-                assert ctl.unpublished < adaptive.FOLD_EVERY
-                if stopping:
-                    assert ctl.unpublished == 0 and not ctl.later
-                    assert metrics.read_metrics(Path(tmp))["0"]["steps"] == i + 1
-                finished_before = set(stopping)
-            assert ctl.stats == ref.stats and not ctl.later
-            assert ctl.counts == ref.counts
