@@ -13,16 +13,18 @@
 
 from __future__ import annotations
 
+import inspect
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from maskplug_vllm import adaptive, confidences, metrics
 from vllm.v1.outputs import DraftTokenIds
@@ -232,6 +234,79 @@ def test_steps_are_counted_in_batches_and_published_before_the_engine_idles(
     assert metrics.read_metrics(tmp_path)["0"]["steps"] == 0
 
 
+def _vllm_scheduler(requests: dict[str, Any]) -> SimpleNamespace:
+    """A stand-in for vLLM's scheduler with maskplug's ``make_spec_decoding_stats`` (vLLM's statistics off)."""
+    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests=requests, log_stats=False)
+
+    def vllm_own(
+        self: Any,
+        spec_decoding_stats: Any,
+        num_draft_tokens: int,
+        num_accepted_tokens: int,
+        num_invalid_spec_tokens: Any,
+        request_id: str,
+    ) -> Any:
+        pytest.fail("vLLM's statistics are off: its method is not called")
+
+    sched.make_spec_decoding_stats = MethodType(adaptive._make_make_spec_decoding_stats(vllm_own), sched)
+    return sched
+
+
+def test_make_spec_decoding_stats_is_wrapped_only_as_vllm_declares_it() -> None:
+    """vLLM's method takes the parameters the wrapper passes on; another signature is refused at install."""
+    from maskplug_vllm import patches
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    own = patches.original(Scheduler, "make_spec_decoding_stats")
+    assert tuple(inspect.signature(own).parameters) == adaptive.SPEC_STATS_PARAMS
+    wrapped = adaptive._make_make_spec_decoding_stats(own)
+    assert tuple(inspect.signature(wrapped).parameters) == adaptive.SPEC_STATS_PARAMS
+    with pytest.raises(PluginError, match=r"make_spec_decoding_stats: expected the parameters self, .* got self, a, b"):
+        adaptive._make_make_spec_decoding_stats(lambda self, a, b: None)
+    # vLLM's own update_from_output hands every drafted request to it, by these names, with its accepted drafts.
+    source = inspect.getsource(patches.original(Scheduler, "update_from_output"))
+    call = source[source.index("self.make_spec_decoding_stats(") :]
+    call = call[: call.index(")")]
+    for name in adaptive.SPEC_STATS_PARAMS[2:]:
+        assert f"{name}=" in call
+    assert "num_accepted = max(len(generated_token_ids) - num_sampled, 0)" in source
+
+
+def _vllm_update(seen: list[Any], stopping: list[str] | None = None) -> Callable[[Any, Any, Any], None]:
+    """What vLLM 0.32's ``update_from_output`` does that a ``verify-all`` count reads, in its order.
+
+    For each scheduled request: with drafts and sampled tokens,
+    ``make_spec_decoding_stats`` gets its drafts and its sampled tokens less
+    one (``test_vllm_hands_every_drafted_request_to_make_spec_decoding_stats``
+    checks vLLM's code says so); then a stopping request's list is trimmed
+    in place to one token and the request freed (``stopping``: the requests
+    that stop in this step), and the scheduler's set says which finished.
+    """
+
+    def update(self: Any, so: Any, out: Any) -> None:
+        seen.append(so)
+        if not so.total_num_scheduled_tokens:
+            return  # a step that ran nothing
+        sampled, index = out.sampled_token_ids, out.req_id_to_index
+        for r in so.num_scheduled_tokens:
+            drafts = so.scheduled_spec_decode_tokens.get(r)
+            generated = sampled[index[r]] if sampled else []
+            if drafts and generated:
+                self.make_spec_decoding_stats(
+                    None,
+                    num_draft_tokens=len(drafts),
+                    num_accepted_tokens=max(len(generated) - 1, 0),
+                    num_invalid_spec_tokens=None,
+                    request_id=r,
+                )
+            if stopping and r in stopping:
+                del generated[1:]
+                del self.requests[r]
+        self.finished_req_ids = set(stopping or ())
+
+    return update
+
+
 def test_a_verify_all_step_is_counted_from_the_scheduler_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -253,12 +328,12 @@ def test_a_verify_all_step_is_counted_from_the_scheduler_output(
     ctl.confidences.record(["a", "b"], [[0.5, 0.5], [0.5, 0.5]])
     # "a" is a grammar request, "b" is not, "c" is one in a prefill chunk.
     requests = {r: SimpleNamespace(use_structured_output=r != "b", is_prefill_chunk=r == "c") for r in ("a", "b", "c")}
-    sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests=requests)
+    sched = _vllm_scheduler(requests)
     schedule = adaptive._make_schedule(lambda self, so: so, lambda self, so: pytest.fail("rows in schedule"))
     grammar_output = SimpleNamespace(structured_output_request_ids=["a"])
     rows = adaptive._make_get_grammar_bitmask(lambda self, so: grammar_output)
     seen: list[Any] = []
-    update = adaptive._make_update_from_output(lambda self, so, out: seen.append(so))
+    update = adaptive._make_update_from_output(_vllm_update(seen))
 
     def step(spec: dict[str, list[int]], emitted: dict[str, int], finished: tuple[str, ...] = ()) -> Any:
         nst = {r: len(d) + 1 for r, d in spec.items()}
@@ -451,3 +526,80 @@ def _recording(tally: Callable[..., None], records: list[tuple[Any, ...]]) -> Ca
         tally(*args)
 
     return record
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        # (the step, whether a request stops in it, which requests have grammars)
+        st.tuples(_runner_steps(), st.integers(0, 3).map(lambda x: x == 0), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_a_verify_all_step_counted_as_vllm_goes_is_counted_as_finish_all_counts_it(
+    steps: list[tuple[tuple[dict[str, list[int]], dict[str, int], list[list[int]], dict[str, int]], bool, bool]],
+) -> None:
+    """``update_from_output`` under ``verify-all`` without listeners counts through vLLM's own calls.
+
+    Each step runs through the wrapper around :func:`_vllm_update`, which
+    hands each drafted request to ``make_spec_decoding_stats`` and then does
+    what the count must not see: it trims a stopping request's sampled list
+    and frees the request. The counters equal those of
+    :meth:`~maskplug_vllm.adaptive._Controller.finish_all` counting every
+    step before vLLM's method ran, after every step (the metrics file, once
+    a request finished, too); at most ``FOLD_EVERY - 1`` steps wait to be
+    written; the finished requests are forgotten at once.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp, patch.object(adaptive, "_controller", None):
+        ctl = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+        ctl.metrics = metrics.StepMetrics(Path(tmp), 0, "verify-all")
+        adaptive._controller = ctl
+        ref = adaptive._Controller(VerifyAllScheduler(), "verify-all", CostModel.linear())
+        assert not ctl.hooks and not ref.hooks
+        sched = _vllm_scheduler({})
+        stopping: list[str] = []
+        update = adaptive._make_update_from_output(_vllm_update([], stopping))
+        finished_before: set[str] = set()
+        for i, ((spec, nst, sampled, index), stops, grammar_odd) in enumerate(steps):
+            for r, j in index.items():
+                if spec.get(r) and not sampled[j]:
+                    sampled[j].append(3)  # vLLM samples at least one token for a request with drafts
+            # Grammar requests (every other one) and plain ones; a request without drafts may be in a
+            # prefill chunk.
+            sched.requests = {
+                r: SimpleNamespace(
+                    use_structured_output=(j % 2 == 1) == grammar_odd, is_prefill_chunk=r not in spec and j % 3 == 0
+                )
+                for j, r in enumerate(nst)
+            }
+            so = SimpleNamespace(
+                num_scheduled_tokens=nst,
+                scheduled_spec_decode_tokens=spec,
+                total_num_scheduled_tokens=sum(nst.values()),
+                finished_req_ids=finished_before,
+                has_structured_output_requests=True,
+            )
+            if not nst:
+                continue  # vLLM's empty step: nothing counted (test_a_verify_all_step_is_counted_...)
+            out = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index=index)
+            stopping[:] = [r for r, j in index.items() if len(sampled[j]) > 1][:1] if stops else []
+            # Counted at once, before vLLM's method changes anything.
+            before = SimpleNamespace(sampled_token_ids=[list(x) for x in sampled], req_id_to_index=index)
+            ref.finish_all(dict(sched.requests), so, before)
+            gone = sorted(finished_before)
+            if gone:
+                ctl.confidences.record(gone, [[0.5]] * len(gone))
+            update(sched, so, out)
+            assert ctl.counts == ref.counts, i
+            if gone:
+                live = ctl.confidences.for_step(gone, {r: [1] for r in gone})[1]
+                assert live is not None and live.tolist() == [[1.0]] * len(gone)  # forgotten: read as new
+            assert ctl.unpublished < adaptive.FOLD_EVERY
+            if stopping:
+                assert ctl.unpublished == 0
+                assert metrics.read_metrics(Path(tmp))["0"]["steps"] == ctl.counts[0]
+            finished_before = set(stopping)
+        assert ctl.stats == ref.stats

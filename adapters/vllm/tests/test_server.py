@@ -13,7 +13,7 @@ requests concurrently with the ``openai`` client, greedy, and compares:
 * maskplug's ``maskplug_*`` series on ``/metrics`` with vLLM's own
   spec-decode counters.
 
-Configurations: TP 1 with ``goodput`` over n-gram drafts; TP 1 with the
+Configurations: TP 1 with ``goodput`` and with ``verify-all`` over n-gram drafts; TP 1 with the
 ``draft_model`` drafter and ``dspark`` on the draft model's confidences
 (a one-layer draft of the two-layer target, so acceptance is partial); TP 2
 with ``goodput`` and with ``no-spec``. The refusals at start-up: the server
@@ -150,6 +150,28 @@ def test_goodput_through_the_server_is_lossless(
     assert vllm_series(m, "vllm:spec_decode_num_accepted_tokens_total") == accepted
     regimes = sum(series(m, "maskplug_regime_steps_total", regime=r) for r in ("full", "partial", "zero"))
     assert regimes == series(m, "maskplug_structured_steps_total") > 0
+
+
+def test_verify_all_through_the_server_counts_what_vllm_counts(
+    models: tuple[Path, Path], base_tp1: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """``verify-all`` plans nothing: its steps are counted as vLLM's own ``update_from_output`` goes."""
+    got, m = run_server(tmp_path, models[0], "verify-all", scheduler="verify-all", speculative=NGRAM)
+    assert_lossless_and_valid(got, base_tp1)
+    assert series(m, "maskplug_scheduler_info", name="verify-all") == 1
+    steps = series(m, "maskplug_steps_total")
+    scheduled = series(m, "maskplug_drafts_scheduled_total")
+    accepted = series(m, "maskplug_drafts_accepted_total")
+    assert steps > 0 and 0 < accepted <= scheduled == series(m, "maskplug_drafts_verified_total")
+    assert vllm_series(m, "vllm:spec_decode_num_draft_tokens_total") == scheduled
+    assert vllm_series(m, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    # Every sampled token: the outputs' tokens, and any a stopping request sampled past its stop.
+    emitted = series(m, "maskplug_tokens_emitted_total")
+    assert emitted >= sum(len(o["tokens"]) for o in got) and emitted - accepted <= steps * NUM_REQUESTS
+    structured = series(m, "maskplug_structured_steps_total")
+    assert series(m, "maskplug_regime_steps_total", regime="full") == structured > 0
+    assert series(m, "maskplug_regime_steps_total", regime="partial") == 0
+    assert series(m, "maskplug_regime_steps_total", regime="zero") == 0
 
 
 def test_draft_model_confidences_drive_dspark(
