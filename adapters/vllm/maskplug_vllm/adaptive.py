@@ -48,6 +48,7 @@ attribute                                                   what it does in addi
 ``vllm.v1.core.sched.scheduler.Scheduler.schedule``         rows, draft masks, budget, compacted step (*)
 ``Scheduler.get_grammar_bitmask``                           hands back those rows (*)
 ``Scheduler.update_from_output``                            reports the outcome, counts, fires the hook
+``Scheduler.make_spec_decoding_stats``                      counts a ``verify-all`` step's drafts (**)
 ``Scheduler.update_draft_token_ids``                        keeps the drafter's confidences (*)
 ``GPUModelRunner.execute_model`` (CPU runner's too)         runs the compacted step
 ``GPUModelRunner.take_draft_token_ids``                     returns the drafter's confidences too
@@ -58,6 +59,12 @@ attribute                                                   what it does in addi
 (*) Only for a scheduler that plans: under the built-in ``verify-all`` vLLM's
 own methods run there (it plans nothing and learns nothing; its steps are
 only counted, in ``update_from_output``).
+
+(**) vLLM's ``update_from_output`` calls it for every request with drafts and
+sampled tokens, whether it keeps statistics or not: without
+``maskplug_step_end`` listeners a ``verify-all`` step's drafts and accepted
+drafts are added there, as vLLM's loop goes (a count of its own between
+forward passes cost about 10 µs per step at one request).
 
 Executors: vLLM's in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 and its engine-core process (``LLM(...)``'s default, the OpenAI server),
@@ -644,7 +651,10 @@ class _Controller:
         here too). ``gids`` are the step's grammar requests when its grammar
         output is at hand, else they are found in ``requests``, the
         scheduler's own map, as vLLM finds them (only those with drafts
-        unless ``maskplug_step_end`` listeners want their number).
+        unless ``maskplug_step_end`` listeners want their number). The engine
+        core counts a step this way when listeners want its record; without
+        them, as vLLM's ``update_from_output`` goes (the same counts:
+        ``make_spec_decoding_stats`` here).
         """
         nst: Mapping[str, int] = so.num_scheduled_tokens
         spec: Mapping[str, Sequence[int]] = so.scheduled_spec_decode_tokens
