@@ -238,17 +238,12 @@ def _vllm_scheduler(requests: dict[str, Any]) -> SimpleNamespace:
     """A stand-in for vLLM's scheduler with maskplug's ``make_spec_decoding_stats`` (vLLM's statistics off)."""
     sched = SimpleNamespace(vllm_config=None, finished_req_ids=set(), requests=requests, log_stats=False)
 
-    def vllm_own(
-        self: Any,
-        spec_decoding_stats: Any,
-        num_draft_tokens: int,
-        num_accepted_tokens: int,
-        num_invalid_spec_tokens: Any,
-        request_id: str,
-    ) -> Any:
-        pytest.fail("vLLM's statistics are off: its method is not called")
+    from maskplug_vllm import patches
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-    sched.make_spec_decoding_stats = MethodType(adaptive._make_make_spec_decoding_stats(vllm_own), sched)
+    # vLLM's own method, never called with its statistics off (the wrapper answers None itself).
+    own = patches.original(Scheduler, "make_spec_decoding_stats")
+    sched.make_spec_decoding_stats = MethodType(adaptive._make_make_spec_decoding_stats(own), sched)
     return sched
 
 

@@ -133,45 +133,44 @@ def base_tp2(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-def test_goodput_through_the_server_is_lossless(
-    models: tuple[Path, Path], base_tp1: list[dict[str, Any]], tmp_path: Path
-) -> None:
-    got, m = run_server(tmp_path, models[0], "goodput", scheduler="grammar-aware:goodput", speculative=NGRAM)
-    assert_lossless_and_valid(got, base_tp1)
-    assert series(m, "maskplug_scheduler_info", name="grammar-aware:goodput") == 1
-    steps = series(m, "maskplug_steps_total")
-    assert steps > 0
-    scheduled = series(m, "maskplug_drafts_scheduled_total")
-    verified = series(m, "maskplug_drafts_verified_total")
-    accepted = series(m, "maskplug_drafts_accepted_total")
-    assert 0 < accepted <= verified <= scheduled
-    # vLLM counts every scheduled draft, and trimmed drafts as rejected: its accepted drafts are maskplug's.
-    assert vllm_series(m, "vllm:spec_decode_num_draft_tokens_total") == scheduled
-    assert vllm_series(m, "vllm:spec_decode_num_accepted_tokens_total") == accepted
-    regimes = sum(series(m, "maskplug_regime_steps_total", regime=r) for r in ("full", "partial", "zero"))
-    assert regimes == series(m, "maskplug_structured_steps_total") > 0
+def counted(m: dict[str, float], scheduler: str) -> dict[str, float]:
+    """The server's ``maskplug_*`` counters after a run of ``scheduler``, checked against vLLM's own.
+
+    Steps ran, drafts were accepted, no more verified than scheduled; vLLM
+    counts every scheduled draft, and trimmed drafts as rejected, so its
+    drafted and accepted tokens are maskplug's scheduled and accepted drafts.
+    """
+    assert series(m, "maskplug_scheduler_info", name=scheduler) == 1
+    c = {key: series(m, f"maskplug_{key}_total") for key in ("steps", "structured_steps", "tokens_emitted")} | {
+        key: series(m, f"maskplug_drafts_{key}_total") for key in ("scheduled", "verified", "accepted")
+    }
+    c |= {r: series(m, "maskplug_regime_steps_total", regime=r) for r in ("full", "partial", "zero")}
+    c["structured"], c["emitted"] = c.pop("structured_steps"), c.pop("tokens_emitted")
+    assert c["steps"] > 0 and 0 < c["accepted"] <= c["verified"] <= c["scheduled"]
+    assert vllm_series(m, "vllm:spec_decode_num_draft_tokens_total") == c["scheduled"]
+    assert vllm_series(m, "vllm:spec_decode_num_accepted_tokens_total") == c["accepted"]
+    return c
 
 
-def test_verify_all_through_the_server_counts_what_vllm_counts(
-    models: tuple[Path, Path], base_tp1: list[dict[str, Any]], tmp_path: Path
+@pytest.mark.parametrize("scheduler", ["grammar-aware:goodput", "verify-all"])
+def test_ngram_drafts_through_the_server_are_lossless_and_counted(
+    models: tuple[Path, Path], base_tp1: list[dict[str, Any]], tmp_path: Path, scheduler: str
 ) -> None:
-    """``verify-all`` plans nothing: its steps are counted as vLLM's own ``update_from_output`` goes."""
-    got, m = run_server(tmp_path, models[0], "verify-all", scheduler="verify-all", speculative=NGRAM)
+    """``grammar-aware:goodput`` plans each step's budget; ``verify-all`` plans nothing.
+
+    ``verify-all``'s steps are counted as vLLM's own ``update_from_output``
+    goes: every scheduled draft verified, every step with drafts of a
+    structured request in the ``full`` regime.
+    """
+    got, m = run_server(tmp_path, models[0], scheduler.split(":")[-1], scheduler=scheduler, speculative=NGRAM)
     assert_lossless_and_valid(got, base_tp1)
-    assert series(m, "maskplug_scheduler_info", name="verify-all") == 1
-    steps = series(m, "maskplug_steps_total")
-    scheduled = series(m, "maskplug_drafts_scheduled_total")
-    accepted = series(m, "maskplug_drafts_accepted_total")
-    assert steps > 0 and 0 < accepted <= scheduled == series(m, "maskplug_drafts_verified_total")
-    assert vllm_series(m, "vllm:spec_decode_num_draft_tokens_total") == scheduled
-    assert vllm_series(m, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    c = counted(m, scheduler)
+    assert sum(c[r] for r in ("full", "partial", "zero")) == c["structured"] > 0
     # Every sampled token: the outputs' tokens, and any a stopping request sampled past its stop.
-    emitted = series(m, "maskplug_tokens_emitted_total")
-    assert emitted >= sum(len(o["tokens"]) for o in got) and emitted - accepted <= steps * NUM_REQUESTS
-    structured = series(m, "maskplug_structured_steps_total")
-    assert series(m, "maskplug_regime_steps_total", regime="full") == structured > 0
-    assert series(m, "maskplug_regime_steps_total", regime="partial") == 0
-    assert series(m, "maskplug_regime_steps_total", regime="zero") == 0
+    assert c["emitted"] >= sum(len(o["tokens"]) for o in got)
+    assert c["emitted"] - c["accepted"] <= c["steps"] * NUM_REQUESTS
+    if scheduler == "verify-all":
+        assert c["verified"] == c["scheduled"] and c["full"] == c["structured"]
 
 
 def test_draft_model_confidences_drive_dspark(
